@@ -1,0 +1,168 @@
+"""`jaxspec.generate`: the host-side boundary of generation.
+
+It validates input (clear `ValueError`s naming the bad value), tokenises, pads to bucketed shapes so that
+similar requests reuse one compiled program, runs the device-side prefill and decode loop, and turns the
+result back into token lists, text and timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import SamplingParams
+from .decode import RowLimits, decode, prefill
+from .models.loading import LanguageModel
+
+_PROMPT_BUCKET_MIN = 16
+_CACHE_ALIGN = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateStats:
+    prompt_tokens: int
+    generated_tokens: int
+    steps: int  # decode-loop forward passes (prefill not counted)
+    prefill_s: float
+    decode_s: float
+    num_rows: int = 0  # each row's first token comes from prefill, not from the decode loop
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens made by the decode loop (each row's first token comes from prefill) per second."""
+        return (self.generated_tokens - self.num_rows) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    token_ids: list[list[int]]  # new tokens per prompt, including the stop token that ended a row
+    text: list[str]  # decoded new text per prompt, without the stop token
+    finish_reason: list[str]  # "stop" (EOS or a stop id) or "length" (max_new_tokens)
+    stats: GenerateStats
+
+
+def _next_pow2(n: int, minimum: int) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _normalise_prompts(lm: LanguageModel, prompts) -> list[list[int]]:
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                    and all(isinstance(t, (int, np.integer)) for t in prompts)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings or token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if lm.tokenizer is None:
+                raise ValueError(f"prompt {i} is text but model {lm.name!r} has no tokenizer; pass token ids")
+            p = lm.tokenizer.encode(p)
+        ids = [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty: at least one token is needed")
+        bad = [t for t in ids if not 0 <= t < lm.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, {lm.config.vocab_size})")
+        out.append(ids)
+    return out
+
+
+def _stop_ids(lm: LanguageModel, num_rows: int, stop_token_ids, ignore_eos: bool) -> np.ndarray:
+    eos = () if ignore_eos or lm.tokenizer is None else tuple(lm.tokenizer.eos_token_ids)
+    if stop_token_ids and isinstance(stop_token_ids[0], (list, tuple)):
+        if len(stop_token_ids) != num_rows:
+            raise ValueError(f"stop_token_ids has {len(stop_token_ids)} lists for {num_rows} prompts")
+        per_row = [list(eos) + [int(t) for t in s] for s in stop_token_ids]
+    else:
+        per_row = [list(eos) + [int(t) for t in stop_token_ids]] * num_rows
+    width = max(1, max(len(r) for r in per_row))
+    table = np.full((num_rows, width), -1, np.int32)
+    for i, r in enumerate(per_row):
+        table[i, : len(r)] = r
+    return table
+
+
+def generate(
+    lm: LanguageModel,
+    prompts,
+    *,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+    ignore_eos: bool = False,
+    max_cache_len: int | None = None,
+    attention_impl: str = "xla",
+) -> GenerateResult:
+    """Generate for a batch of prompts (strings or token-id lists, of different lengths).
+
+    `sampling` is one SamplingParams for every row or one per prompt (greedy and sampled rows may share a
+    batch). Rows stop at EOS (unless `ignore_eos`), at any of `stop_token_ids` (one list for all rows or one
+    per prompt), or after `max_new_tokens`. The cache holds at most `max_cache_len` tokens per row (default:
+    the model's context length).
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if attention_impl not in ("xla", "pallas"):
+        raise ValueError(f"attention_impl={attention_impl!r} must be 'xla' or 'pallas'")
+    ids = _normalise_prompts(lm, prompts)
+    batch = len(ids)
+    limit = lm.config.max_position_embeddings if max_cache_len is None else max_cache_len
+    for i, p in enumerate(ids):
+        if len(p) + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                             f"{len(p) + max_new_tokens} cache slots but max_cache_len={limit}")
+    if isinstance(sampling, SamplingParams):
+        rows = sampling.broadcast(batch)
+    else:
+        if len(sampling) != batch:
+            raise ValueError(f"sampling has {len(sampling)} entries for {batch} prompts")
+        rows = SamplingParams.stack(list(sampling))
+    prompt_lens = [len(p) for p in ids]
+    if max_new_tokens == 0:
+        empty = GenerateStats(prompt_tokens=sum(prompt_lens), generated_tokens=0, steps=0, prefill_s=0.0, decode_s=0.0)
+        return GenerateResult([[] for _ in ids], ["" for _ in ids], ["length"] * batch, empty)
+
+    # Bucketed shapes: a power of two for the prompt and output buffers, the cache aligned to 128 slots.
+    width = _next_pow2(max(prompt_lens), _PROMPT_BUCKET_MIN)
+    buffer_len = _next_pow2(max_new_tokens, _PROMPT_BUCKET_MIN)
+    cache_len = _round_up(max(width, max(prompt_lens) + buffer_len), _CACHE_ALIGN)
+    padded = np.zeros((batch, width), np.int32)
+    for i, p in enumerate(ids):
+        padded[i, : len(p)] = p
+    limits = RowLimits(max_new_tokens=jnp.full((batch,), max_new_tokens, jnp.int32),
+                       stop_ids=jnp.asarray(_stop_ids(lm, batch, stop_token_ids, ignore_eos)))
+
+    t0 = time.perf_counter()
+    state = prefill(lm.graphdef, lm.params, jnp.asarray(padded), jnp.asarray(prompt_lens, jnp.int32), rows,
+                    limits, cache_len=cache_len, buffer_len=buffer_len, attention_impl=attention_impl)
+    jax.block_until_ready(state.tokens)
+    t1 = time.perf_counter()
+    state = decode(lm.graphdef, lm.params, state, rows, limits, attention_impl=attention_impl)
+    tokens, counts, steps = jax.device_get((state.tokens, state.num_generated, state.steps))
+    t2 = time.perf_counter()
+
+    stop_table = np.asarray(limits.stop_ids)
+    token_ids, texts, reasons = [], [], []
+    for i in range(batch):
+        row = tokens[i, : counts[i]].tolist()
+        stopped = bool(row) and row[-1] in stop_table[i]
+        token_ids.append(row)
+        reasons.append("stop" if stopped else "length")
+        body = row[:-1] if stopped else row
+        texts.append(lm.tokenizer.decode(body, skip_special_tokens=True) if lm.tokenizer else "")
+    stats = GenerateStats(prompt_tokens=sum(prompt_lens), generated_tokens=int(counts.sum()), steps=int(steps),
+                          prefill_s=t1 - t0, decode_s=t2 - t1, num_rows=batch)
+    return GenerateResult(token_ids=token_ids, text=texts, finish_reason=reasons, stats=stats)

@@ -1,0 +1,80 @@
+"""From logits to the processed distribution that plain sampling draws from and verification judges by.
+
+Order of operations (as Hugging Face and vLLM apply them): temperature, top-k, top-p, min-p; greedy rows
+(temperature 0) become a point mass on the argmax. Excluded tokens get logit -inf, so their probability is
+exactly zero, which lossless rejection sampling relies on. Thresholds compare values, so tokens tied with
+the k-th (or the last top-p) token are kept too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import SamplingParams
+
+
+def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
+    """Per-row values [B] shaped to broadcast against like [B, ..., V]."""
+    x = jnp.asarray(x)
+    return jnp.reshape(x, x.shape + (1,) * (like.ndim - x.ndim))
+
+
+def _top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Smallest logit kept by top-k then top-p: f32[B, ..., 1]."""
+    vocab = z.shape[-1]
+    ranked = -jnp.sort(-z, axis=-1)  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    in_top_k = jnp.arange(vocab) < k
+    probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # The smallest prefix whose mass reaches top_p: a token is kept when the mass ranked above it is short.
+    num_kept = jnp.sum(in_top_k & (mass_before < top_p), axis=-1, keepdims=True)
+    return jnp.take_along_axis(ranked, jnp.maximum(num_kept - 1, 0), axis=-1)
+
+
+def process_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """f32[B, ..., V] logits of the processed distribution; `sampling` fields are scalars or arrays [B]."""
+    z = logits.astype(jnp.float32)
+    temperature = _per_row(sampling.temperature, z)
+    top_k, top_p = _per_row(sampling.top_k, z), _per_row(sampling.top_p, z)
+    min_p = _per_row(sampling.min_p, z)
+    greedy = temperature <= 0
+    z = z / jnp.where(greedy, 1.0, temperature)
+
+    # Sorting the vocabulary is the costly part: skip it when no row asks for top-k or top-p.
+    needs_sort = jnp.any((top_k > 0) | (top_p < 1))
+    threshold = jax.lax.cond(needs_sort, lambda: _top_k_top_p_threshold(z, top_k, top_p),
+                             lambda: jnp.full(z.shape[:-1] + (1,), -jnp.inf))
+    z = jnp.where(z >= threshold, z, -jnp.inf)
+
+    best = jnp.max(z, axis=-1, keepdims=True)
+    # min-p keeps tokens whose probability is at least min_p times the most likely one's.
+    z = jnp.where((min_p > 0) & (z - best < jnp.log(jnp.maximum(min_p, 1e-38))), -jnp.inf, z)
+
+    argmax = jnp.argmax(z, axis=-1)[..., None]
+    one_hot = jnp.where(jnp.arange(z.shape[-1]) == argmax, 0.0, -jnp.inf)
+    return jnp.where(greedy, one_hot, z)
+
+
+def processed_probs(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """f32[B, ..., V] probabilities of the processed distribution."""
+    return jax.nn.softmax(process_logits(logits, sampling), axis=-1)
+
+
+def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """One PRNG key per row from its own seed u32[B] and token position i32[B], nothing else.
+
+    Keys never depend on the slot or the batch neighbours, so a seeded request samples the same tokens
+    alone, in any batch, and with or without speculation.
+    """
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+
+
+def sample(keys: jax.Array, logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """i32[B] tokens drawn from the processed distribution of logits [B, V], key [B] per row."""
+    z = process_logits(logits, sampling)
+    draw = lambda: jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)  # noqa: E731
+    greedy = lambda: jnp.argmax(z, axis=-1).astype(jnp.int32)  # noqa: E731
+    # An all-greedy batch needs no random numbers over the vocabulary.
+    return jax.lax.cond(jnp.all(jnp.asarray(sampling.temperature) <= 0), greedy, draw)

@@ -1,0 +1,1 @@
+"""Model definitions and weight loading, installed as ``jaxspec.models``."""

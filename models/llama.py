@@ -1,0 +1,196 @@
+"""A Llama-family decoder in Flax NNX (Llama, Qwen2, SmolLM2).
+
+One forward path serves prefill, single-token decode and verification: T new tokens per row at per-row
+positions, their K/V written into a preallocated cache at per-row lengths, an optional mask among the new
+tokens (causal by default, a tree's ancestor mask for tree verification). It returns logits and hidden states.
+
+Layout choices that decide speed on XLA:CPU (see CPU-PERF.md): layers are separate modules (their weights
+separate arrays, the layer loop unrolled in the trace), q/k/v and gate/up are fused into one wider matmul
+each, and the LM head is stored as [D, V] (a transposed copy when embeddings are tied).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import KVCache, write_new
+
+from .config import ModelConfig
+from .rope import apply_rope, rope_tables
+
+AttentionImpl = Literal["xla", "pallas"]
+_MASKED = -1e30  # finite, so a fully masked row (never produced here) would not turn into NaN
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    logits: jax.Array | None  # f32[B, L, V]  (L = T, or the positions picked by `logits_at`)
+    hidden: jax.Array  # [B, T, D]  final normed hidden state (the feature EAGLE heads read)
+    layer_hidden: tuple[jax.Array, ...] = ()  # [B, T, D] each: outputs of the requested decoder layers
+
+
+def _dense_init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * scale)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = cfg.jnp_dtype
+        self.cfg = cfg
+        qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv = _dense_init(rngs, (cfg.hidden_size, qkv_width), dt)  # [D, (H + 2 Hkv) hd]
+        self.qkv_bias = nnx.Param(jnp.zeros((qkv_width,), dt)) if cfg.attention_bias else None
+        self.o = _dense_init(rngs, (cfg.num_heads * cfg.head_dim, cfg.hidden_size), dt)  # [H hd, D]
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = x @ self.qkv[...]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        q = qkv[..., : H * hd].reshape(B, T, H, hd)
+        k = qkv[..., H * hd: (H + Hkv) * hd].reshape(B, T, Hkv, hd)
+        v = qkv[..., (H + Hkv) * hd:].reshape(B, T, Hkv, hd)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_cache = write_new(k_cache, k.transpose(0, 2, 1, 3), lengths)
+        v_cache = write_new(v_cache, v.transpose(0, 2, 1, 3), lengths)
+        if attention_impl == "pallas":
+            from jaxspec.kernels.verify_attention import verify_attention
+
+            out = verify_attention(q, k_cache, v_cache, lengths, tree_mask,
+                                   interpret=jax.default_backend() == "cpu")
+        else:
+            out = _xla_attention(q, k_cache, v_cache, visible, cfg)
+        return out.reshape(B, T, H * hd) @ self.o[...], k_cache, v_cache
+
+
+def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
+    """q [B,T,H,hd] against the whole cache [B,Hkv,S,hd] under visible bool[B,T,S] -> [B,T,H,hd]."""
+    B, T, H, hd = q.shape
+    G = cfg.q_per_kv
+    q = q.reshape(B, T, cfg.num_kv_heads, G, hd)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+    scores = scores * (hd ** -0.5)
+    scores = jnp.where(visible[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    # Slots that are not visible may hold garbage (even NaN from an earlier row): zero probability is not
+    # enough, 0 * NaN = NaN, so the einsum only sees them through `probs`, which the mask has zeroed, and
+    # the cache itself is written only with finite values by this model.
+    return jnp.einsum("bkgts,bksd->btkgd", probs, v_cache).reshape(B, T, H, hd)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = cfg.jnp_dtype
+        self.gate_up = _dense_init(rngs, (cfg.hidden_size, 2 * cfg.intermediate_size), dt)  # [D, 2F]
+        self.down = _dense_init(rngs, (cfg.intermediate_size, cfg.hidden_size), dt)  # [F, D]
+
+    def __call__(self, x):
+        gate, up = jnp.split(x @ self.gate_up[...], 2, axis=-1)
+        return (jax.nn.silu(gate) * up) @ self.down[...]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+        self.attn = Attention(cfg, rngs)
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask):
+        attn_out, k_cache, v_cache = self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, lengths,
+                                               visible, attention_impl, tree_mask)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_norm(x))
+        return x, k_cache, v_cache
+
+
+def visibility_mask(lengths: jax.Array, num_new: int, max_len: int,
+                    tree_mask: jax.Array | None = None) -> jax.Array:
+    """bool[B, T, S]: may new token t of row b attend cache slot s?
+
+    Slots below lengths[b] are the committed prefix (always visible); the T new tokens occupy slots
+    lengths[b] .. lengths[b]+T-1 and see each other causally, or as `tree_mask` bool[B, T, T] says.
+    """
+    rel = jnp.arange(max_len)[None, :] - lengths[:, None]  # [B, S]: slot index among the new tokens
+    prefix = (rel < 0)[:, None, :]
+    is_new = ((rel >= 0) & (rel < num_new))[:, None, :]
+    if tree_mask is None:
+        among_new = rel[:, None, :] <= jnp.arange(num_new)[None, :, None]
+    else:
+        idx = jnp.broadcast_to(jnp.clip(rel, 0, num_new - 1)[:, None, :], (lengths.shape[0], num_new, max_len))
+        among_new = jnp.take_along_axis(tree_mask, idx, axis=2)
+    return prefix | (is_new & among_new)
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer. Parameters live in NNX state; jit over `nnx.split(model)`, never closure."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt = cfg.jnp_dtype
+        self.embed = _dense_init(rngs, (cfg.vocab_size, cfg.hidden_size), dt, scale=1.0)  # [V, D]
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        # [D, V] even when tied: XLA:CPU runs x @ W faster than x @ E.T for this shape (CPU-PERF.md).
+        self.lm_head = nnx.Param(self.embed[...].T if cfg.tie_word_embeddings
+                                 else _dense_init(rngs, (cfg.hidden_size, cfg.vocab_size), dt)[...])
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache.create(num_layers=cfg.num_layers, batch=batch, num_kv_heads=cfg.num_kv_heads,
+                              max_len=max_len, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """f32[..., V] from final normed hidden states [..., D]."""
+        return jnp.dot(hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # i32[B, T]  new tokens
+        positions: jax.Array,  # i32[B, T]  their rotary positions (lengths + t for a chain, + depth for a tree)
+        cache: KVCache,
+        *,
+        tree_mask: jax.Array | None = None,  # bool[B, T, T]  among the new tokens; None = causal
+        logits_at: jax.Array | None = None,  # i32[B, L]  compute logits only at these new-token indices
+        compute_logits: bool = True,
+        return_layers: tuple[int, ...] = (),  # decoder layers whose outputs to return (EAGLE-3 features)
+        attention_impl: AttentionImpl = "xla",
+    ) -> tuple[ModelOutput, KVCache]:
+        """Returns the output and the cache with the new K/V written; `cache.lengths` is not advanced."""
+        B, T = tokens.shape
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+        cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
+        visible = None
+        if attention_impl == "xla":
+            visible = visibility_mask(cache.lengths, T, cache.max_len, tree_mask)
+        ks, vs, saved = list(cache.k), list(cache.v), []
+        for i, layer in enumerate(self.layers):
+            x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], cache.lengths, visible, attention_impl, tree_mask)
+            if i in return_layers:
+                saved.append(x)
+        hidden = self.norm(x)
+        logits = None
+        if compute_logits:
+            picked = hidden if logits_at is None else jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
+            logits = self.logits(picked)
+        new_cache = cache.replace(k=tuple(ks), v=tuple(vs))
+        return ModelOutput(logits=logits, hidden=hidden, layer_hidden=tuple(saved)), new_cache
