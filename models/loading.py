@@ -242,9 +242,10 @@ def build_module(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
         return np.asarray(weights[name], np.float32)
 
     def assign(param: nnx.Param, value: np.ndarray, name: str):
-        if tuple(param.value.shape) != value.shape:
-            raise ValueError(f"weight {name!r} has shape {value.shape}, the config needs {tuple(param.value.shape)}")
-        param.value = jnp.asarray(value, dt)
+        needed = tuple(param.get_value().shape)
+        if needed != value.shape:
+            raise ValueError(f"weight {name!r} has shape {value.shape}, the config needs {needed}")
+        param.set_value(jnp.asarray(value, dt))
 
     embed = take("model.embed_tokens.weight")
     assign(module.embed, embed, "model.embed_tokens.weight")

