@@ -44,9 +44,9 @@ def _is_stop(tokens: jax.Array, limits: RowLimits) -> jax.Array:
     return jnp.any(tokens[:, None] == limits.stop_ids, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "buffer_len", "attention_impl"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "buffer_len"))
 def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams,
-            limits: RowLimits, *, cache_len: int, buffer_len: int, attention_impl: str = "xla") -> DecodeState:
+            limits: RowLimits, *, cache_len: int, buffer_len: int) -> DecodeState:
     """Run the prompts (right-padded i32[B, P], true lengths i32[B]) and sample each row's first token.
 
     Padding tokens write K/V past a row's length; the length never covers them, so they are overwritten.
@@ -55,8 +55,8 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     batch, width = prompts.shape
     cache = model.new_cache(batch, cache_len)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None],
-                       attention_impl="xla" if attention_impl == "pallas" else attention_impl)
+    # Prefill keeps the XLA attention: the kernel is built for the few new tokens of a verification step.
+    out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla")
     cache = cache.advance(prompt_lens)
     first = sample(row_keys(sampling.seed, cache.lengths), out.logits[:, 0], sampling)
     tokens = jnp.full((batch, buffer_len), -1, jnp.int32).at[:, 0].set(first)

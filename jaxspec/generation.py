@@ -50,6 +50,11 @@ class GenerateResult:
     stats: GenerateStats
 
 
+def default_attention_impl() -> str:
+    """The Pallas kernel where a GPU runs it natively; XLA's attention on CPU (Pallas only interprets there)."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
 def _next_pow2(n: int, minimum: int) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
@@ -104,17 +109,20 @@ def generate(
     stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
     ignore_eos: bool = False,
     max_cache_len: int | None = None,
-    attention_impl: str = "xla",
+    attention_impl: str | None = None,
 ) -> GenerateResult:
     """Generate for a batch of prompts (strings or token-id lists, of different lengths).
 
     `sampling` is one SamplingParams for every row or one per prompt (greedy and sampled rows may share a
     batch). Rows stop at EOS (unless `ignore_eos`), at any of `stop_token_ids` (one list for all rows or one
     per prompt), or after `max_new_tokens`. The cache holds at most `max_cache_len` tokens per row (default:
-    the model's context length).
+    the model's context length). `attention_impl` is "xla" or "pallas" (the verification kernel, run in
+    interpret mode on CPU); by default "pallas" on a GPU and "xla" elsewhere.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if attention_impl is None:
+        attention_impl = default_attention_impl()
     if attention_impl not in ("xla", "pallas"):
         raise ValueError(f"attention_impl={attention_impl!r} must be 'xla' or 'pallas'")
     ids = _normalise_prompts(lm, prompts)
@@ -147,7 +155,7 @@ def generate(
 
     t0 = time.perf_counter()
     state = prefill(lm.graphdef, lm.params, jnp.asarray(padded), jnp.asarray(prompt_lens, jnp.int32), rows,
-                    limits, cache_len=cache_len, buffer_len=buffer_len, attention_impl=attention_impl)
+                    limits, cache_len=cache_len, buffer_len=buffer_len)
     jax.block_until_ready(state.tokens)
     t1 = time.perf_counter()
     state = decode(lm.graphdef, lm.params, state, rows, limits, attention_impl=attention_impl)

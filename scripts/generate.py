@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""Generate text with jaxspec from the command line.
+
+    python scripts/generate.py "def fibonacci(n):"
+    python scripts/generate.py --chat "Write a haiku about JAX." --temperature 0.7 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jaxspec
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", help="the prompt text (or the user message with --chat)")
+    parser.add_argument("--model", default=jaxspec.DEFAULT_MODEL,
+                        help=f"named model ({', '.join(jaxspec.NAMED_MODELS)}), a .gguf file or a Hugging Face "
+                             "directory (default: %(default)s)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    parser.add_argument("--system", default=None, help="system message for --chat")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default: %(default)s)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="in [0, 1] (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    args = parser.parse_args(argv)
+
+    try:
+        sampling = jaxspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                          min_p=args.min_p, seed=args.seed)
+        lm = jaxspec.load_model(args.model, dtype=args.dtype)
+        prompt = args.prompt
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            prompt = lm.tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}])
+        result = jaxspec.generate(lm, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    s = result.stats
+    print(("" if args.chat else prompt) + result.text[0])
+    print(f"\n[{s.generated_tokens} tokens, finish: {result.finish_reason[0]}; prefill {s.prompt_tokens} tokens in "
+          f"{s.prefill_s:.2f} s; decode {s.decode_tokens_per_s:.1f} tokens/s (first call includes compilation)]",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
