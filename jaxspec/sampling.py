@@ -52,8 +52,7 @@ def process_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     # min-p keeps tokens whose probability is at least min_p times the most likely one's.
     z = jnp.where((min_p > 0) & (z - best < jnp.log(jnp.maximum(min_p, 1e-38))), -jnp.inf, z)
 
-    argmax = jnp.argmax(z, axis=-1)[..., None]
-    one_hot = jnp.where(jnp.arange(z.shape[-1]) == argmax, 0.0, -jnp.inf)
+    one_hot = jnp.where(jnp.arange(z.shape[-1]) == argmax(z)[..., None], 0.0, -jnp.inf)
     return jnp.where(greedy, one_hot, z)
 
 
@@ -71,10 +70,22 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """i32[...] index of the largest logit (the first on ties), as two plain reductions.
+
+    XLA:CPU lowers `jnp.argmax` to a variadic (value, index) reduction that does not vectorise; a max
+    followed by a min over matching indices is several times faster over a 49k vocabulary.
+    """
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(logits == best, index, logits.shape[-1]), axis=-1)
+
+
 def sample(keys: jax.Array, logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     """i32[B] tokens drawn from the processed distribution of logits [B, V], key [B] per row."""
-    z = process_logits(logits, sampling)
-    draw = lambda: jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)  # noqa: E731
-    greedy = lambda: jnp.argmax(z, axis=-1).astype(jnp.int32)  # noqa: E731
-    # An all-greedy batch needs no random numbers over the vocabulary.
-    return jax.lax.cond(jnp.all(jnp.asarray(sampling.temperature) <= 0), greedy, draw)
+    def draw():
+        z = process_logits(logits, sampling)
+        return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+
+    # An all-greedy batch needs neither the processed distribution nor random numbers over the vocabulary.
+    return jax.lax.cond(jnp.all(jnp.asarray(sampling.temperature) <= 0), lambda: argmax(logits), draw)
