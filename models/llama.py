@@ -4,9 +4,12 @@ One forward path serves prefill, single-token decode and verification: T new tok
 positions, their K/V written into a preallocated cache at per-row lengths, an optional mask among the new
 tokens (causal by default, a tree's ancestor mask for tree verification). It returns logits and hidden states.
 
-Layout choices that decide speed on XLA:CPU (see CPU-PERF.md): layers are separate modules (their weights
-separate arrays, the layer loop unrolled in the trace), q/k/v and gate/up are fused into one wider matmul
-each, and the LM head is stored as [D, V] (a transposed copy when embeddings are tied).
+Layout choices that decide speed on XLA:CPU (see CPU-PERF.md and docs/BENCHMARKS.md): layers are separate
+modules (their weights separate arrays, the layer loop unrolled in the trace); q/k/v and gate/up are fused
+into one wider matmul each; weights are [out, in] and the residual stream is feature-major [D, B*T], so each
+projection is W @ xt (measured 1.3x faster than x @ W at 8 rows); attention contracts the G query heads and
+T new tokens of a KV head as one row block; the LM head is also kept as [D, V] (a transposed copy when
+embeddings are tied) because a single row runs fastest as h @ W.
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+    def __call__(self, xt: jax.Array) -> jax.Array:
+        """Normalise xt [D, N] (feature-major, see `Llama`) over its features."""
+        x32 = xt.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=0, keepdims=True) + self.eps)
+        return (x32 * self.weight[...].astype(jnp.float32)[:, None]).astype(xt.dtype)
 
 
 class Attention(nnx.Module):
@@ -54,20 +58,21 @@ class Attention(nnx.Module):
         dt = cfg.jnp_dtype
         self.cfg = cfg
         qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv = _dense_init(rngs, (cfg.hidden_size, qkv_width), dt)  # [D, (H + 2 Hkv) hd]
+        self.qkv = _dense_init(rngs, (qkv_width, cfg.hidden_size), dt)  # [(H + 2 Hkv) hd, D]
         self.qkv_bias = nnx.Param(jnp.zeros((qkv_width,), dt)) if cfg.attention_bias else None
-        self.o = _dense_init(rngs, (cfg.num_heads * cfg.head_dim, cfg.hidden_size), dt)  # [H hd, D]
+        self.o = _dense_init(rngs, (cfg.hidden_size, cfg.num_heads * cfg.head_dim), dt)  # [D, H hd]
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask):
+    def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask):
+        """xt [D, B*T] feature-major; returns the attention block's output in the same layout."""
         cfg = self.cfg
-        B, T, _ = x.shape
+        B, T = cos.shape[:2]
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = x @ self.qkv[...]
+        qkv = self.qkv[...] @ xt  # [(H + 2 Hkv) hd, B*T]
         if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias[...]
-        q = qkv[..., : H * hd].reshape(B, T, H, hd)
-        k = qkv[..., H * hd: (H + Hkv) * hd].reshape(B, T, Hkv, hd)
-        v = qkv[..., (H + Hkv) * hd:].reshape(B, T, Hkv, hd)
+            qkv = qkv + self.qkv_bias[...][:, None]
+        # Heads leave the feature-major layout here: attention works per row on [B, T, heads, hd].
+        qkv = qkv.reshape(H + 2 * Hkv, hd, B, T).transpose(2, 3, 0, 1)
+        q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         k_cache = write_new(k_cache, k.transpose(0, 2, 1, 3), lengths)
@@ -79,33 +84,37 @@ class Attention(nnx.Module):
                                    interpret=jax.default_backend() == "cpu")
         else:
             out = _xla_attention(q, k_cache, v_cache, visible, cfg)
-        return out.reshape(B, T, H * hd) @ self.o[...], k_cache, v_cache
+        return self.o[...] @ out.reshape(B * T, H * hd).T, k_cache, v_cache
 
 
 def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
     """q [B,T,H,hd] against the whole cache [B,Hkv,S,hd] under visible bool[B,T,S] -> [B,T,H,hd]."""
     B, T, H, hd = q.shape
-    G = cfg.q_per_kv
-    q = q.reshape(B, T, cfg.num_kv_heads, G, hd)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
-    scores = scores * (hd ** -0.5)
-    scores = jnp.where(visible[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    # Slots that are not visible may hold garbage (even NaN from an earlier row): zero probability is not
-    # enough, 0 * NaN = NaN, so the einsum only sees them through `probs`, which the mask has zeroed, and
-    # the cache itself is written only with finite values by this model.
-    return jnp.einsum("bkgts,bksd->btkgd", probs, v_cache).reshape(B, T, H, hd)
+    Hkv, G = cfg.num_kv_heads, cfg.q_per_kv
+    S = k_cache.shape[2]
+    # The G query heads of a KV head and the T new tokens form one M = G*T row block per (row, KV head):
+    # a plain batched [M, hd] x [hd, S] matmul, which XLA:CPU runs several times faster than the same
+    # contraction with G and T as separate dimensions.
+    q = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)
+    scores = jnp.einsum("bkmd,bksd->bkms", q, k_cache, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(visible[:, None, None], scores.reshape(B, Hkv, G, T, S), _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, Hkv, G * T, S)
+    # Invisible slots may hold stale values; their probability is exactly zero after the masked softmax,
+    # and this model only ever writes finite values into the cache.
+    out = jnp.einsum("bkms,bksd->bkmd", probs, v_cache)
+    return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = cfg.jnp_dtype
-        self.gate_up = _dense_init(rngs, (cfg.hidden_size, 2 * cfg.intermediate_size), dt)  # [D, 2F]
-        self.down = _dense_init(rngs, (cfg.intermediate_size, cfg.hidden_size), dt)  # [F, D]
+        self.gate_up = _dense_init(rngs, (2 * cfg.intermediate_size, cfg.hidden_size), dt)  # [2F, D]
+        self.down = _dense_init(rngs, (cfg.hidden_size, cfg.intermediate_size), dt)  # [D, F]
 
-    def __call__(self, x):
-        gate, up = jnp.split(x @ self.gate_up[...], 2, axis=-1)
-        return (jax.nn.silu(gate) * up) @ self.down[...]
+    def __call__(self, xt):
+        """xt [D, N] -> [D, N], feature-major."""
+        gate, up = jnp.split(self.gate_up[...] @ xt, 2, axis=0)
+        return self.down[...] @ (jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -115,12 +124,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask):
-        attn_out, k_cache, v_cache = self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, lengths,
+    def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask):
+        attn_out, k_cache, v_cache = self.attn(self.input_norm(xt), cos, sin, k_cache, v_cache, lengths,
                                                visible, attention_impl, tree_mask)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_norm(x))
-        return x, k_cache, v_cache
+        xt = xt + attn_out
+        xt = xt + self.mlp(self.post_attention_norm(xt))
+        return xt, k_cache, v_cache
 
 
 def visibility_mask(lengths: jax.Array, num_new: int, max_len: int,
@@ -161,7 +170,13 @@ class Llama(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[..., V] from final normed hidden states [..., D]."""
-        return jnp.dot(hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if rows.shape[0] > 1 and self.cfg.tie_word_embeddings:
+            # Several rows: E @ h^T over the [V, D] table runs faster on XLA:CPU than h @ W (CPU-PERF.md).
+            out = jnp.dot(self.embed[...], rows.T, preferred_element_type=jnp.float32).T
+        else:
+            out = jnp.dot(rows, self.lm_head[...], preferred_element_type=jnp.float32)
+        return out.reshape(hidden.shape[:-1] + (out.shape[-1],))
 
     def __call__(
         self,
@@ -182,12 +197,19 @@ class Llama(nnx.Module):
         visible = None
         if attention_impl == "xla":
             visible = visibility_mask(cache.lengths, T, cache.max_len, tree_mask)
+        # The residual stream is feature-major, [D, B*T]: every projection is then W [out, in] @ xt, the
+        # operand order XLA:CPU runs fastest when a few rows share the weights (CPU-PERF.md's small-M case).
+        xt = x.reshape(B * T, -1).T
         ks, vs, saved = list(cache.k), list(cache.v), []
+
+        def rows(xt):
+            return xt.T.reshape(B, T, -1)
+
         for i, layer in enumerate(self.layers):
-            x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], cache.lengths, visible, attention_impl, tree_mask)
+            xt, ks[i], vs[i] = layer(xt, cos, sin, ks[i], vs[i], cache.lengths, visible, attention_impl, tree_mask)
             if i in return_layers:
-                saved.append(x)
-        hidden = self.norm(x)
+                saved.append(rows(xt))
+        hidden = rows(self.norm(xt))
         logits = None
         if compute_logits:
             picked = hidden if logits_at is None else jnp.take_along_axis(hidden, logits_at[..., None], axis=1)

@@ -255,14 +255,14 @@ def build_module(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
     for i, layer in enumerate(module.layers):
         p = f"model.layers.{i}."
         q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-        assign(layer.attn.qkv, np.concatenate([q, k, v], axis=0).T, p + "self_attn.qkv")
+        assign(layer.attn.qkv, np.concatenate([q, k, v], axis=0), p + "self_attn.qkv")
         if config.attention_bias:
             bias = np.concatenate([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             assign(layer.attn.qkv_bias, bias, p + "self_attn.qkv_bias")
-        assign(layer.attn.o, take(p + "self_attn.o_proj.weight").T, p + "self_attn.o_proj.weight")
+        assign(layer.attn.o, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
         gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-        assign(layer.mlp.gate_up, np.concatenate([gate, up], axis=0).T, p + "mlp.gate_up")
-        assign(layer.mlp.down, take(p + "mlp.down_proj.weight").T, p + "mlp.down_proj.weight")
+        assign(layer.mlp.gate_up, np.concatenate([gate, up], axis=0), p + "mlp.gate_up")
+        assign(layer.mlp.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
         assign(layer.input_norm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
         assign(layer.post_attention_norm.weight, take(p + "post_attention_layernorm.weight"),
                p + "post_attention_layernorm.weight")
