@@ -29,7 +29,7 @@ def _config(scaling):
 @pytest.mark.parametrize("scaling,expected,attention_scale", YARN_CASES)
 def test_yarn_matches_transformers(scaling, expected, attention_scale):
     inv_freq, scale = inverse_frequencies(_config(scaling).rope, 64)
-    np.testing.assert_allclose(inv_freq[PICK], expected, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(inv_freq[PICK], expected, rtol=1e-5, atol=1e-8)  # recorded to 8 decimals
     assert scale == pytest.approx(attention_scale)
 
 
