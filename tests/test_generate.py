@@ -55,6 +55,8 @@ def test_text_prompts_chat_and_eos(smollm2):
     assert result.token_ids[0][-1] in smollm2.tokenizer.eos_token_ids
     assert result.text[0].strip() and "<|im_end|>" not in result.text[0]
     assert result.stats.prompt_tokens == len(smollm2.tokenizer.encode(prompt))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        jaxspec.generate(smollm2, ["def f():", ""], max_new_tokens=4)
 
 
 # ------------------------------------------------------------------------------------------- tiny model
