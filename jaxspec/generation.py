@@ -19,7 +19,7 @@ from .config import SamplingParams
 from .decode import RowLimits, decode, prefill
 from .models.loading import LanguageModel
 
-_PROMPT_BUCKET_MIN = 16
+_BUCKET_MIN = 16
 _CACHE_ALIGN = 128
 
 
@@ -144,8 +144,8 @@ def generate(
         return GenerateResult([[] for _ in ids], ["" for _ in ids], ["length"] * batch, empty)
 
     # Bucketed shapes: a power of two for the prompt and output buffers, the cache aligned to 128 slots.
-    width = _next_pow2(max(prompt_lens), _PROMPT_BUCKET_MIN)
-    buffer_len = _next_pow2(max_new_tokens, _PROMPT_BUCKET_MIN)
+    width = _next_pow2(max(prompt_lens), _BUCKET_MIN)
+    buffer_len = _next_pow2(max_new_tokens, _BUCKET_MIN)
     cache_len = _round_up(max(width, max(prompt_lens) + buffer_len), _CACHE_ALIGN)
     padded = np.zeros((batch, width), np.int32)
     for i, p in enumerate(ids):
