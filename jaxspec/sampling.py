@@ -29,7 +29,8 @@ def _top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # The smallest prefix whose mass reaches top_p: a token is kept when the mass ranked above it is short.
-    num_kept = jnp.sum(in_top_k & (mass_before < top_p), axis=-1, keepdims=True)
+    # top_p = 1 keeps every token outright: float32 running sums can reach 1 before the tail.
+    num_kept = jnp.sum(in_top_k & ((mass_before < top_p) | (top_p >= 1)), axis=-1, keepdims=True)
     return jnp.take_along_axis(ranked, jnp.maximum(num_kept - 1, 0), axis=-1)
 
 

@@ -1,0 +1,116 @@
+"""Lossless verification of drafted tokens: speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
+
+A row drafts `num_draft` tokens; one target forward gives logits at K+1 positions, position j judging
+draft j (the token after draft j-1) and position K scoring the token after a fully accepted draft. The target
+distribution p_j is the *processed* one (`process_logits`: temperature, top-k, top-p, min-p; greedy rows a
+point mass on the argmax), so speculation changes how fast tokens come, never their distribution.
+
+Vocabulary: drafts are *accepted* left to right until the first rejection at position n; the row then emits
+the n accepted drafts and one token of the target's own at position n: the *recovered* token when draft n was
+rejected, the *bonus* token when all num_draft drafts were accepted (n = num_draft). Every row emits 1 to
+num_draft + 1 tokens.
+
+- Deterministic drafts (n-gram, suffix automaton; no draft probabilities): draw the target's sample t_j at
+  every position and accept draft j iff it equals t_j. P(accept x) = p(x); after a rejection t_n is p with x
+  removed and renormalised, and t_n is the target's own sample either way. With the same keys this is plain
+  sampling, token for token.
+- Probabilistic drafts (x ~ q_j): accept with probability min(1, p_j(x) / q_j(x)); the recovered token comes
+  from norm(max(0, p_n - q_n)), the bonus token from p_n.
+
+Random streams, per row b and output position j, with P = positions[b] + j the token's absolute position:
+  key_j = fold_in(keys[b], P)                      the key plain decoding draws position P with
+  categorical(key_j, ...)                          t_j, and the recovered or bonus token at j = n
+  uniform(fold_in(key_j, _ACCEPT_STREAM))          the acceptance test of a probabilistic draft at j
+The acceptance stream is a distinct child of key_j, so it is independent of the categorical noise, and a large
+constant, so it differs from draft keys derived as fold_in(key_L, i) with a small draft index i < K.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import SamplingParams
+from .sampling import argmax, process_logits
+
+_ACCEPT_STREAM = 0x5EC0DE  # far above any draft index, so no draft-model key coincides with it
+
+
+def _num_leading(accept: jax.Array) -> jax.Array:
+    """i32[B] length of each row's leading run of True in bool[B, K]."""
+    return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+
+
+def _emit(draft_tokens: jax.Array, n: jax.Array, last: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Drafts 0..n-1, then `last` i32[B] at position n, then -1: (i32[B, K+1], i32[B] n + 1)."""
+    batch, k = draft_tokens.shape
+    j = jnp.arange(k + 1)
+    drafts = jnp.concatenate([draft_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)  # [B, K+1]
+    tokens = jnp.where(j < n[:, None], drafts, jnp.where(j == n[:, None], last[:, None], -1))
+    return tokens.astype(jnp.int32), (n + 1).astype(jnp.int32)
+
+
+def rejection_sample(keys: jax.Array, target_logits: jax.Array, draft_tokens: jax.Array,
+                     draft_probs: jax.Array | None, num_draft: jax.Array, sampling: SamplingParams, *,
+                     positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Verify each row's drafts against the target and emit the accepted drafts plus one target token.
+
+    keys: PRNG keys [B], one base key per row (plain decoding's jax.random.key(seed)).
+    target_logits: f32[B, K+1, V] raw target logits; position j judges draft j, position K gives the bonus.
+    draft_tokens: i32[B, K]; entries at j >= num_draft are ignored.
+    draft_probs: f32[B, K, V] the draft's (processed) distributions, or None for deterministic drafts.
+    num_draft: i32[B] in [0, K].
+    sampling: scalars or per-row arrays [B]; temperature 0 is greedy.
+    positions: i32[B] absolute position of each row's first output token (None: 0).
+    Returns (output tokens i32[B, K+1] padded with -1, their count i32[B] in [1, num_draft + 1]).
+    """
+    batch, width, vocab = target_logits.shape  # width = K + 1
+    k = width - 1
+    draft_tokens = draft_tokens.astype(jnp.int32)
+    positions = jnp.zeros((batch,), jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
+    num_draft = jnp.asarray(num_draft, jnp.int32)
+    in_draft = jnp.arange(k) < num_draft[:, None]  # bool[B, K]: masks the garbage past num_draft
+
+    def greedy():
+        # p is a point mass on the argmax: both rules accept while the draft is the argmax, then emit it.
+        best = argmax(target_logits)  # i32[B, K+1]
+        n = _num_leading(in_draft & (draft_tokens == best[:, :k]))
+        return _emit(draft_tokens, n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0])
+
+    def sampled():
+        z = process_logits(target_logits, sampling)  # f32[B, K+1, V], -inf outside the kept tokens
+        pos = positions[:, None] + jnp.arange(width, dtype=jnp.int32)  # i32[B, K+1]
+        pos_keys = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))(keys, pos)  # key[B, K+1]
+        if draft_probs is None:
+            t = jax.vmap(jax.vmap(jax.random.categorical))(pos_keys, z).astype(jnp.int32)  # i32[B, K+1]
+            n = _num_leading(in_draft & (draft_tokens == t[:, :k]))
+            return _emit(draft_tokens, n, jnp.take_along_axis(t, n[:, None], axis=1)[:, 0])
+
+        # Probabilities only where needed: p_j(x_j) for the test, the full p_n at the one position n.
+        lse = jax.nn.logsumexp(z, axis=-1)  # f32[B, K+1]
+        x = jnp.clip(draft_tokens, 0, vocab - 1)[..., None]  # garbage drafts must still index safely
+        p_x = jnp.exp(jnp.take_along_axis(z[:, :k], x, axis=-1)[..., 0] - lse[:, :k])  # f32[B, K]
+        q_x = jnp.take_along_axis(draft_probs, x, axis=-1)[..., 0]  # f32[B, K]
+        u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, _ACCEPT_STREAM))))(
+            pos_keys[:, :k])  # f32[B, K] in [0, 1)
+        # u < p/q without dividing: q(x) = 0 accepts iff p(x) > 0, and nothing is NaN for valid drafts.
+        n = _num_leading(in_draft & (u * q_x < p_x))  # i32[B]
+
+        z_n = jnp.take_along_axis(z, n[:, None, None], axis=1)[:, 0]  # f32[B, V]
+        p_n = jnp.exp(z_n - jnp.take_along_axis(lse, n[:, None], axis=1))
+        rejected = n < num_draft  # bool[B]: recovered token; otherwise the bonus token
+        if k > 0:
+            q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, k - 1)[:, None, None], axis=1)[:, 0]
+            residual = jnp.where(rejected[:, None], jnp.maximum(p_n - q_n, 0.0), p_n)  # f32[B, V]
+        else:
+            residual = p_n
+        # Bonus rows, and rejected rows whose residual is empty (q >= p everywhere, as when p == q), draw from
+        # z_n itself: a bonus token is bit for bit the token plain decoding would draw at that position.
+        from_p = ~rejected | (jnp.sum(residual, axis=-1) <= 0)
+        logits_n = jnp.where(from_p[:, None], z_n, jnp.log(residual))
+        key_n = jax.vmap(jax.random.fold_in)(keys, positions + n)
+        last = jax.vmap(jax.random.categorical)(key_n, logits_n).astype(jnp.int32)
+        return _emit(draft_tokens, n, last)
+
+    # An all-greedy batch needs neither the processed distribution nor random numbers, as in `sample`.
+    return jax.lax.cond(jnp.all(jnp.asarray(sampling.temperature) <= 0), greedy, sampled)
