@@ -4,8 +4,8 @@ The public API: load a model, generate, and the pieces researchers compose (samp
 """
 
 from .cache import KVCache
-from .config import SamplingParams
-from .generation import GenerateResult, GenerateStats, generate
+from .config import SamplingParams, SpecConfig
+from .generation import GenerateResult, GenerateStats, RowStats, generate
 from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_model
 from .sampling import process_logits, processed_probs, sample
 
@@ -16,7 +16,9 @@ __all__ = [
     "KVCache",
     "LanguageModel",
     "NAMED_MODELS",
+    "RowStats",
     "SamplingParams",
+    "SpecConfig",
     "generate",
     "load_model",
     "process_logits",

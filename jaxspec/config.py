@@ -7,8 +7,9 @@ recompiles anything.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from typing import Sequence
+from typing import Any, Literal, Sequence
 
 import flax.struct
 import jax.numpy as jnp
@@ -66,3 +67,73 @@ class SamplingParams:
         return SamplingParams(temperature=rows(self.temperature, jnp.float32), top_k=rows(self.top_k, jnp.int32),
                               top_p=rows(self.top_p, jnp.float32), min_p=rows(self.min_p, jnp.float32),
                               seed=rows(self.seed, jnp.uint32))
+
+
+SpecMethod = Literal["none", "ngram", "sam", "draft_model", "self_draft", "custom"]
+SamSource = Literal["dynamic", "static", "both"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """How to speculate: static settings, part of the compiled program's identity.
+
+    Data a method needs (a draft model, a static suffix automaton) rides along in fields that are excluded
+    from hashing and comparison; `generate` passes it to the device as jit arguments.
+    """
+
+    method: SpecMethod = "none"
+    num_speculative_tokens: int = 8  # K: the most drafts per row and step
+    # Lookup proposers (ngram, sam): propose nothing below this matched length, and at most
+    # ceil(draft_per_match * match length) tokens (SuffixDecoding's alpha); None means no cap.
+    min_match: int = 2
+    draft_per_match: float | None = None
+    ngram_max: int = 4  # prompt lookup tries n-grams of ngram_max .. min_match tokens
+    sam_source: SamSource = "dynamic"
+    # Widths (new tokens per row) the verify forward may take; each step runs the narrowest one that holds
+    # the longest draft in the batch, so a step where no row drafts costs one plain decode step.
+    # None: (1, K + 1); (K + 1,) always verifies at full width. Each width compiles its own forward.
+    verify_widths: tuple[int, ...] | None = None
+    self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
+    draft_model: Any = dataclasses.field(default=None, compare=False, repr=False)  # a LanguageModel
+    static_sam: Any = dataclasses.field(default=None, compare=False, repr=False)  # a StaticSuffixAutomaton
+    # method "custom": any object following the jaxspec.proposers.base.Proposer protocol (frozen, hashable; its
+    # num_speculative_tokens must equal K) and the pytree its functions take as params.
+    proposer: Any = dataclasses.field(default=None, compare=False, repr=False)
+    proposer_params: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        methods = ("none", "ngram", "sam", "draft_model", "self_draft", "custom")
+        if self.method not in methods:
+            raise ValueError(f"method={self.method!r} must be one of {methods}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 0")
+        if self.method != "none" and k == 0:
+            raise ValueError(f"num_speculative_tokens=0 leaves method={self.method!r} nothing to propose")
+        if self.min_match < 1:
+            raise ValueError(f"min_match={self.min_match!r} must be >= 1")
+        if self.draft_per_match is not None and not self.draft_per_match > 0:
+            raise ValueError(f"draft_per_match={self.draft_per_match!r} must be > 0 or None")
+        if self.ngram_max < self.min_match:
+            raise ValueError(f"ngram_max={self.ngram_max!r} must be >= min_match={self.min_match!r}")
+        if self.sam_source not in ("dynamic", "static", "both"):
+            raise ValueError(f"sam_source={self.sam_source!r} must be 'dynamic', 'static' or 'both'")
+        if self.sam_source != "dynamic" and self.method == "sam" and self.static_sam is None:
+            raise ValueError(f"sam_source={self.sam_source!r} needs static_sam (a StaticSuffixAutomaton)")
+        if self.method == "draft_model" and self.draft_model is None:
+            raise ValueError("method='draft_model' needs draft_model (a LanguageModel)")
+        if self.method == "custom" and getattr(self.proposer, "num_speculative_tokens", None) != k:
+            raise ValueError(f"method='custom' needs proposer (a Proposer) with num_speculative_tokens={k}; "
+                             f"got {self.proposer!r}")
+        if self.self_draft_layers < 1:
+            raise ValueError(f"self_draft_layers={self.self_draft_layers!r} must be >= 1")
+        if self.verify_widths is not None:
+            widths = tuple(self.verify_widths)
+            if not widths or min(widths) < 1 or max(widths) != k + 1:
+                raise ValueError(f"verify_widths={widths!r} must be >= 1 and end at num_speculative_tokens + 1"
+                                 f" = {k + 1}")
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        k = self.num_speculative_tokens
+        return tuple(sorted(set(self.verify_widths or (1, k + 1))))

@@ -1,13 +1,21 @@
 """The device side of generation: prefill, and the whole decode as one jitted `lax.while_loop`.
 
+Every step is a speculative step: propose up to K drafts per row, score the newest token plus the drafts with
+one target forward (K/V written at each row's own length), verify them with lossless rejection sampling, and
+commit by appending the output tokens and advancing each row's cache length. A rejected draft costs nothing to
+undo: the length never moves past it. Plain decoding is the same step with no proposer (K = 0), so
+speculative and plain runs share one machinery.
+
 The host calls `prefill` once and `decode` once; nothing crosses to the host between steps. Shapes are fixed
-(batch B, prompt bucket P, output buffer N, cache S), rows finish independently, and per-request values
-(sampling settings, seeds, limits, stop ids) are arrays, so a new request never recompiles.
+(batch B, prompt bucket P, history H = P + output bucket, cache S), rows finish independently, and per-request
+values (sampling settings, seeds, limits, stop ids) are arrays, so a new request never recompiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import flax.struct
 import jax
@@ -16,6 +24,8 @@ from flax import nnx
 
 from .cache import KVCache
 from .config import SamplingParams
+from .proposers.base import Committed, Context, Draft, Proposer
+from .rejection import rejection_sample
 from .sampling import row_keys, sample
 
 
@@ -26,28 +36,81 @@ class RowLimits:
 
 
 @flax.struct.dataclass
+class SpecCounters:
+    """Per-row acceptance bookkeeping, kept on the device and read once at the end."""
+
+    steps: jax.Array  # i32[B]  loop steps in which the row was active
+    drafted: jax.Array  # i32[B]
+    accepted: jax.Array  # i32[B]  accepted drafts that were emitted
+    drafted_at: jax.Array  # i32[B, K]  steps with a draft at position j
+    accepted_at: jax.Array  # i32[B, K]  steps whose draft at position j was accepted and emitted
+    committed: jax.Array  # i32[B, N]  tokens the row committed at each of its own steps
+
+    @classmethod
+    def zeros(cls, batch: int, k: int, buffer_len: int) -> "SpecCounters":
+        z = functools.partial(jnp.zeros, dtype=jnp.int32)
+        return cls(steps=z((batch,)), drafted=z((batch,)), accepted=z((batch,)), drafted_at=z((batch, k)),
+                   accepted_at=z((batch, k)), committed=z((batch, buffer_len)))
+
+
+@flax.struct.dataclass
 class DecodeState:
     cache: KVCache
-    tokens: jax.Array  # i32[B, N]  generated tokens; -1 past each row's end
-    num_generated: jax.Array  # i32[B]
+    history: jax.Array  # i32[B, H]  prompt followed by the generated tokens (garbage past history_len)
+    history_len: jax.Array  # i32[B]
+    prompt_len: jax.Array  # i32[B]
     done: jax.Array  # bool[B]
-    steps: jax.Array  # i32[]  forward passes run by the loop
+    steps: jax.Array  # i32[]  loop iterations (each one target forward)
+    pstate: Any  # the proposer's per-row state
+    counters: SpecCounters
+
+    @property
+    def num_generated(self) -> jax.Array:
+        return self.history_len - self.prompt_len
 
     @property
     def last_tokens(self) -> jax.Array:
         """i32[B]: each row's newest token, sampled but not yet in the cache."""
-        rows = jnp.arange(self.tokens.shape[0])
-        return self.tokens[rows, jnp.maximum(self.num_generated - 1, 0)]
+        return jnp.take_along_axis(self.history, (self.history_len - 1)[:, None], axis=1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class NoProposer:
+    """Plain decoding: never drafts (K = 0)."""
+
+    num_speculative_tokens: int = 0
+
+    def init(self, params, ctx: Context):
+        return ()
+
+    def propose(self, params, pstate, ctx: Context, keys):
+        batch = ctx.history.shape[0]
+        return Draft(tokens=jnp.zeros((batch, 0), jnp.int32), num_draft=jnp.zeros((batch,), jnp.int32)), pstate
+
+    def update(self, params, pstate, ctx: Context, committed: Committed):
+        return pstate
 
 
 def _is_stop(tokens: jax.Array, limits: RowLimits) -> jax.Array:
-    return jnp.any(tokens[:, None] == limits.stop_ids, axis=-1)
+    """bool[B, ...] for tokens i32[B, ...]."""
+    stop = limits.stop_ids.reshape(limits.stop_ids.shape[:1] + (1,) * (tokens.ndim - 1) + limits.stop_ids.shape[1:])
+    return jnp.any(tokens[..., None] == stop, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "buffer_len"))
+def _context(state: DecodeState, sampling: SamplingParams, limits: RowLimits, k: int) -> Context:
+    # A row may draft at most one token fewer than it still may emit: the target adds one token of its own.
+    room = limits.max_new_tokens - state.num_generated - 1
+    max_draft = jnp.where(state.done, 0, jnp.clip(room, 0, k))
+    return Context(history=state.history, history_len=state.history_len, max_draft=max_draft, sampling=sampling,
+                   positions=state.cache.lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len"))
 def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams,
-            limits: RowLimits, *, cache_len: int, buffer_len: int) -> DecodeState:
-    """Run the prompts (right-padded i32[B, P], true lengths i32[B]) and sample each row's first token.
+            limits: RowLimits, proposer_params=None, *, proposer: Proposer = NoProposer(), cache_len: int,
+            buffer_len: int) -> DecodeState:
+    """Run the prompts (right-padded i32[B, P], true lengths i32[B]), sample each row's first token and
+    initialise the proposer.
 
     Padding tokens write K/V past a row's length; the length never covers them, so they are overwritten.
     """
@@ -59,39 +122,103 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla")
     cache = cache.advance(prompt_lens)
     first = sample(row_keys(sampling.seed, cache.lengths), out.logits[:, 0], sampling)
-    tokens = jnp.full((batch, buffer_len), -1, jnp.int32).at[:, 0].set(first)
+    history = jnp.zeros((batch, width + buffer_len), jnp.int32).at[:, :width].set(prompts)
+    history = history.at[jnp.arange(batch), prompt_lens].set(first)
     done = _is_stop(first, limits) | (limits.max_new_tokens <= 1)
-    return DecodeState(cache=cache, tokens=tokens, num_generated=jnp.ones((batch,), jnp.int32), done=done,
-                       steps=jnp.zeros((), jnp.int32))
+    state = DecodeState(cache=cache, history=history, history_len=prompt_lens + 1, prompt_len=prompt_lens,
+                        done=done, steps=jnp.zeros((), jnp.int32), pstate=(),
+                        counters=SpecCounters.zeros(batch, proposer.num_speculative_tokens, buffer_len))
+    k = proposer.num_speculative_tokens
+    return state.replace(pstate=proposer.init(proposer_params, _context(state, sampling, limits, k)))
 
 
-def decode_step(model, state: DecodeState, sampling: SamplingParams, limits: RowLimits,
-                attention_impl: str = "xla") -> DecodeState:
-    """One plain decode step for every row: feed the newest token, sample the next."""
+def _score_and_verify(model, width: int, state: DecodeState, draft: Draft, num_draft: jax.Array,
+                      sampling: SamplingParams, k: int, attention_impl: str):
+    """One target forward over each row's newest token plus its first `width - 1` drafts, then verification.
+
+    Returns (output tokens i32[B, K+1] padded with -1, their count i32[B], the cache with the new K/V).
+    """
     cache = state.cache
-    last = state.last_tokens
-    out, cache = model(last[:, None], cache.lengths[:, None], cache, attention_impl=attention_impl)
+    fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # [B, width]
+    positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
+    out, cache = model(fed, positions, cache, attention_impl=attention_impl)
+    probs = None if draft.probs is None else draft.probs[:, : width - 1]
+    keys = jax.vmap(jax.random.key)(sampling.seed)
+    # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
+    tokens, num = rejection_sample(keys, out.logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
+                                   positions=cache.lengths + 1)
+    pad = jnp.full((tokens.shape[0], k + 1 - width), -1, jnp.int32)
+    return jnp.concatenate([tokens, pad], axis=1), num, cache
+
+
+def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
+              limits: RowLimits, widths: tuple[int, ...], attention_impl: str = "xla") -> DecodeState:
+    """Propose, score, verify, commit: one step for every row (finished rows ride along and commit nothing)."""
+    k = proposer.num_speculative_tokens
+    batch = state.history.shape[0]
     active = ~state.done
-    cache = cache.advance(active.astype(jnp.int32))
-    # The token being sampled sits at position `lengths` (the one just written is at lengths - 1).
-    nxt = sample(row_keys(sampling.seed, cache.lengths), out.logits[:, 0], sampling)
-    rows = jnp.arange(last.shape[0])
-    slot = jnp.where(active, state.num_generated, state.tokens.shape[1])  # out of bounds: dropped
-    tokens = state.tokens.at[rows, slot].set(nxt, mode="drop")
-    num_generated = state.num_generated + active
-    done = state.done | (active & (_is_stop(nxt, limits) | (num_generated >= limits.max_new_tokens)))
-    return state.replace(cache=cache, tokens=tokens, num_generated=num_generated, done=done,
-                         steps=state.steps + 1)
+    ctx = _context(state, sampling, limits, k)
+    keys = row_keys(sampling.seed, state.cache.lengths)
+    draft, pstate = proposer.propose(proposer_params, state.pstate, ctx, keys)
+    num_draft = jnp.minimum(draft.num_draft, ctx.max_draft)
+
+    # The narrowest compiled width that holds the longest draft in the batch: a step where nobody drafts
+    # costs one plain decode step, not c(K+1) of them.
+    def branch(width):
+        return lambda: _score_and_verify(model, width, state, draft, jnp.minimum(num_draft, width - 1), sampling,
+                                         k, attention_impl)
+
+    if len(widths) == 1:
+        out_tokens, num_out, cache = branch(widths[0])()
+    else:
+        choice = jnp.sum(jnp.asarray(widths[:-1]) < jnp.max(num_draft) + 1)
+        out_tokens, num_out, cache = jax.lax.switch(choice, [branch(w) for w in widths])
+
+    # Commit: keep output tokens up to and including the first stop token, and within the token budget.
+    j = jnp.arange(k + 1)
+    stop_at = jnp.where(_is_stop(out_tokens, limits) & (j < num_out[:, None]), j, k + 1)
+    room = limits.max_new_tokens - state.num_generated
+    keep = jnp.minimum(jnp.minimum(num_out, jnp.min(stop_at, axis=1) + 1), room)
+    keep = jnp.where(active, keep, 0)  # i32[B]
+    kept = j < keep[:, None]  # bool[B, K+1]
+    slots = jnp.where(kept, state.history_len[:, None] + j, state.history.shape[1])  # out of bounds: dropped
+    history = state.history.at[jnp.arange(batch)[:, None], slots].set(out_tokens, mode="drop")
+    history_len = state.history_len + keep
+    # The newest token joins the cache with every kept token but the last, which is the new newest token.
+    cache = cache.advance(keep)
+    stopped = jnp.any(_is_stop(out_tokens, limits) & kept, axis=1)
+    done = state.done | (active & (stopped | (history_len - state.prompt_len >= limits.max_new_tokens)))
+
+    accepted = jnp.where(active, jnp.minimum(num_out - 1, keep), 0)
+    c = state.counters
+    pos = jnp.arange(k)
+    counters = SpecCounters(
+        steps=c.steps + active, drafted=c.drafted + jnp.where(active, num_draft, 0), accepted=c.accepted + accepted,
+        drafted_at=c.drafted_at + (active[:, None] & (pos < num_draft[:, None])),
+        accepted_at=c.accepted_at + (pos < accepted[:, None]),
+        committed=c.committed.at[jnp.arange(batch), jnp.where(active, c.steps, c.committed.shape[1])].set(
+            keep, mode="drop"))
+
+    new = state.replace(cache=cache, history=history, history_len=history_len, done=done, steps=state.steps + 1,
+                        counters=counters)
+    committed = Committed(tokens=jnp.where(kept, out_tokens, -1), num=keep)
+    pstate = proposer.update(proposer_params, pstate, _context(new, sampling, limits, k), committed)
+    return new.replace(pstate=pstate)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attention_impl"), donate_argnames=("state",))
-def decode(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, *,
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "widths", "attention_impl"),
+                   donate_argnames=("state",))
+def decode(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params=None,
+           *, proposer: Proposer = NoProposer(), widths: tuple[int, ...] = (1,),
            attention_impl: str = "xla") -> DecodeState:
     """Decode until every row is done, as one `lax.while_loop` on the device."""
     model = nnx.merge(graphdef, params)
-    buffer_len = state.tokens.shape[1]
+    max_steps = state.counters.committed.shape[1]
 
     def cond(s: DecodeState):
-        return ~jnp.all(s.done) & (s.steps < buffer_len)
+        return ~jnp.all(s.done) & (s.steps < max_steps)
 
-    return jax.lax.while_loop(cond, lambda s: decode_step(model, s, sampling, limits, attention_impl), state)
+    def body(s: DecodeState):
+        return spec_step(model, proposer, proposer_params, s, sampling, limits, widths, attention_impl)
+
+    return jax.lax.while_loop(cond, body, state)

@@ -15,12 +15,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import SamplingParams
-from .decode import RowLimits, decode, prefill
+from .config import SamplingParams, SpecConfig
+from .decode import NoProposer, RowLimits, decode, prefill
 from .models.loading import LanguageModel
+from .proposers.base import Proposer
+from .proposers.draft_model import DraftModelProposer, self_draft_model
+from .proposers.ngram import NgramProposer
 
 _BUCKET_MIN = 16
 _CACHE_ALIGN = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStats:
+    steps: int  # loop steps in which the row was active (each one target forward)
+    drafted: int
+    accepted: int  # accepted drafts that were emitted
+    generated: int  # new tokens, the first (from prefill) included
+    committed_per_step: tuple[int, ...]  # tokens committed at each of the row's steps, in order
+    decode_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per step: accepted drafts plus the target's own token."""
+        return sum(self.committed_per_step) / self.steps if self.steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.generated - 1) / self.decode_s if self.decode_s > 0 else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +53,12 @@ class GenerateStats:
     prefill_s: float
     decode_s: float
     num_rows: int = 0  # each row's first token comes from prefill, not from the decode loop
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: tuple[int, ...] = ()  # steps (over rows) with a draft at position j
+    accepted_per_position: tuple[int, ...] = ()  # ... whose draft at position j was accepted and emitted
+    row_steps: int = 0  # sum over rows of the steps each was active
+    rows: tuple[RowStats, ...] = ()
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -40,6 +68,22 @@ class GenerateStats:
     def decode_tokens_per_s(self) -> float:
         """Tokens made by the decode loop (each row's first token comes from prefill) per second."""
         return (self.generated_tokens - self.num_rows) / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per active row-step (accepted drafts + the target's token); 1.0 for plain decoding."""
+        committed = sum(sum(r.committed_per_step) for r in self.rows)
+        return committed / self.row_steps if self.row_steps else float("nan")
+
+    @property
+    def acceptance_rate_per_position(self) -> tuple[float, ...]:
+        """P(draft j accepted | drafted), per draft position j."""
+        return tuple(a / d if d else float("nan") for a, d in zip(self.accepted_per_position,
+                                                                   self.drafted_per_position))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +144,29 @@ def _stop_ids(lm: LanguageModel, num_rows: int, stop_token_ids, ignore_eos: bool
     return table
 
 
+def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, buffer_len: int,
+                   cache_len: int) -> tuple[Proposer, object]:
+    """The proposer (static settings) and its params (a pytree passed to the device) for `spec`."""
+    k = spec.num_speculative_tokens
+    if spec.method == "none":
+        return NoProposer(), None
+    if spec.method == "custom":
+        return spec.proposer, spec.proposer_params
+    if spec.method == "ngram":
+        return NgramProposer(k, ngram_max=spec.ngram_max, min_match=spec.min_match,
+                             draft_per_match=spec.draft_per_match), None
+    if spec.method == "sam":
+        from .proposers.sam import SamProposer  # TEMP until sam.py lands
+
+        return SamProposer(k, max_text_len=prompt_width + buffer_len, source=spec.sam_source,
+                           min_match=spec.min_match, draft_per_match=spec.draft_per_match), spec.static_sam
+    draft = spec.draft_model if spec.method == "draft_model" else self_draft_model(lm, spec.self_draft_layers)
+    if draft.config.vocab_size != lm.config.vocab_size:
+        raise ValueError(f"draft_model {draft.name!r} has vocab_size={draft.config.vocab_size}; the target "
+                         f"{lm.name!r} has {lm.config.vocab_size}: they must share one vocabulary")
+    return DraftModelProposer(k, draft.graphdef, cache_len=cache_len, prompt_width=prompt_width), draft.params
+
+
 def generate(
     lm: LanguageModel,
     prompts,
@@ -110,6 +177,7 @@ def generate(
     ignore_eos: bool = False,
     max_cache_len: int | None = None,
     attention_impl: str | None = None,
+    spec: SpecConfig | None = None,
 ) -> GenerateResult:
     """Generate for a batch of prompts (strings or token-id lists, of different lengths).
 
@@ -117,8 +185,13 @@ def generate(
     batch). Rows stop at EOS (unless `ignore_eos`), at any of `stop_token_ids` (one list for all rows or one
     per prompt), or after `max_new_tokens`. The cache holds at most `max_cache_len` tokens per row (default:
     the model's context length). `attention_impl` is "xla" or "pallas" (the verification kernel, run in
-    interpret mode on CPU); by default "pallas" on a GPU and "xla" elsewhere.
+    interpret mode on CPU); by default "pallas" on a GPU and "xla" elsewhere. `spec` chooses speculative
+    decoding (a proposer and its draft budget); the default, method "none", decodes plainly through the same
+    loop. Greedy output is the same with or without speculation; sampled output follows the same distribution.
     """
+    spec = SpecConfig() if spec is None else spec
+    if not isinstance(spec, SpecConfig):
+        raise ValueError(f"spec={spec!r} must be a jaxspec.SpecConfig")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     if attention_impl is None:
@@ -146,31 +219,46 @@ def generate(
     # Bucketed shapes: a power of two for the prompt and output buffers, the cache aligned to 128 slots.
     width = _next_pow2(max(prompt_lens), _BUCKET_MIN)
     buffer_len = _next_pow2(max_new_tokens, _BUCKET_MIN)
-    cache_len = _round_up(max(width, max(prompt_lens) + buffer_len), _CACHE_ALIGN)
+    # Verification writes up to K draft slots past a row's last token.
+    cache_len = _round_up(max(width, max(prompt_lens) + buffer_len + spec.num_speculative_tokens + 1), _CACHE_ALIGN)
     padded = np.zeros((batch, width), np.int32)
     for i, p in enumerate(ids):
         padded[i, : len(p)] = p
     limits = RowLimits(max_new_tokens=jnp.full((batch,), max_new_tokens, jnp.int32),
                        stop_ids=jnp.asarray(_stop_ids(lm, batch, stop_token_ids, ignore_eos)))
 
+    proposer, proposer_params = build_proposer(lm, spec, prompt_width=width, buffer_len=buffer_len,
+                                               cache_len=cache_len)
+    widths = spec.widths if proposer.num_speculative_tokens else (1,)
+
     t0 = time.perf_counter()
     state = prefill(lm.graphdef, lm.params, jnp.asarray(padded), jnp.asarray(prompt_lens, jnp.int32), rows,
-                    limits, cache_len=cache_len, buffer_len=buffer_len)
-    jax.block_until_ready(state.tokens)
+                    limits, proposer_params, proposer=proposer, cache_len=cache_len, buffer_len=buffer_len)
+    jax.block_until_ready(state.history)
     t1 = time.perf_counter()
-    state = decode(lm.graphdef, lm.params, state, rows, limits, attention_impl=attention_impl)
-    tokens, counts, steps = jax.device_get((state.tokens, state.num_generated, state.steps))
+    state = decode(lm.graphdef, lm.params, state, rows, limits, proposer_params, proposer=proposer, widths=widths,
+                   attention_impl=attention_impl)
+    history, history_len, steps, counters = jax.device_get(
+        (state.history, state.history_len, state.steps, state.counters))
     t2 = time.perf_counter()
 
     stop_table = np.asarray(limits.stop_ids)
-    token_ids, texts, reasons = [], [], []
+    token_ids, texts, reasons, row_stats = [], [], [], []
     for i in range(batch):
-        row = tokens[i, : counts[i]].tolist()
+        row = history[i, prompt_lens[i]: history_len[i]].tolist()
         stopped = bool(row) and row[-1] in stop_table[i]
         token_ids.append(row)
         reasons.append("stop" if stopped else "length")
         body = row[:-1] if stopped else row
         texts.append(lm.tokenizer.decode(body, skip_special_tokens=True) if lm.tokenizer else "")
-    stats = GenerateStats(prompt_tokens=sum(prompt_lens), generated_tokens=int(counts.sum()), steps=int(steps),
-                          prefill_s=t1 - t0, decode_s=t2 - t1, num_rows=batch)
+        n = int(counters.steps[i])
+        row_stats.append(RowStats(steps=n, drafted=int(counters.drafted[i]), accepted=int(counters.accepted[i]),
+                                  generated=len(row), committed_per_step=tuple(counters.committed[i, :n].tolist()),
+                                  decode_s=t2 - t1))
+    stats = GenerateStats(
+        prompt_tokens=sum(prompt_lens), generated_tokens=sum(len(r) for r in token_ids), steps=int(steps),
+        prefill_s=t1 - t0, decode_s=t2 - t1, num_rows=batch, drafted=int(counters.drafted.sum()),
+        accepted=int(counters.accepted.sum()), drafted_per_position=tuple(counters.drafted_at.sum(0).tolist()),
+        accepted_per_position=tuple(counters.accepted_at.sum(0).tolist()), row_steps=int(counters.steps.sum()),
+        rows=tuple(row_stats))
     return GenerateResult(token_ids=token_ids, text=texts, finish_reason=reasons, stats=stats)

@@ -1,0 +1,77 @@
+"""The proposer contract: pure functions that draft tokens for the target model to verify.
+
+A proposer object holds only static settings (hashable, part of the compiled program's identity); whatever
+arrays it needs (a draft model's weights, a static suffix automaton) are its `params`, a pytree passed as a
+jit argument. Its per-row state is a pytree too. All three functions run inside the jitted decode loop, take
+and return batched arrays (leading dim B, one entry per row) and never look at the host.
+
+The loop calls, per generation run:
+  pstate = init(params, ctx)                      after prefill (ctx holds prompt + first token)
+  draft, pstate = propose(params, pstate, ctx, keys)   each step
+  pstate = update(params, pstate, ctx, committed)      after verification (ctx already extended)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from ..config import SamplingParams
+
+PState = Any  # a proposer's per-row state pytree
+
+
+@flax.struct.dataclass
+class Draft:
+    tokens: jax.Array  # i32[B, K]  proposed tokens; entries at or past num_draft are ignored
+    num_draft: jax.Array  # i32[B]  in [0, K]; 0 means this row only takes the target's own next token
+    # f32[B, K, V] the distribution each draft token was sampled from (stochastic verification), or None for
+    # deterministic drafts (n-gram, suffix automaton), which are judged by the target probability alone.
+    probs: jax.Array | None = None
+    match_len: jax.Array | None = None  # i32[B]  matched suffix length behind the draft (lookup proposers)
+
+
+@flax.struct.dataclass
+class Context:
+    """What a proposer may read about each row."""
+
+    history: jax.Array  # i32[B, H]  prompt + generated tokens (including the newest, not yet in the KV cache)
+    history_len: jax.Array  # i32[B]
+    max_draft: jax.Array  # i32[B]  drafts allowed this step (0 for finished rows; capped by the token budget)
+    sampling: SamplingParams  # per-row arrays [B]
+    positions: jax.Array  # i32[B]  position of each row's newest token (== its committed cache length)
+
+
+@flax.struct.dataclass
+class Committed:
+    """The tokens a verification step appended to each row."""
+
+    tokens: jax.Array  # i32[B, K+1]  -1 padded
+    num: jax.Array  # i32[B]  in [0, K+1]
+
+
+class Proposer(Protocol):
+    num_speculative_tokens: int  # K, the static draft budget per step
+
+    def init(self, params: Any, ctx: Context) -> PState: ...
+
+    def propose(self, params: Any, pstate: PState, ctx: Context, keys: jax.Array) -> tuple[Draft, PState]: ...
+
+    def update(self, params: Any, pstate: PState, ctx: Context, committed: Committed) -> PState: ...
+
+
+def lookup_draft_count(match_len: jax.Array, available: jax.Array, max_draft: jax.Array, k: int, min_match: int,
+                       draft_per_match: float | None) -> jax.Array:
+    """i32[B] drafts for a lookup proposer (n-gram, suffix automaton) from its matched suffix length.
+
+    Nothing below `min_match`; at most `available` continuation tokens, the row's `max_draft`, K, and, when
+    `draft_per_match` is set, ceil(draft_per_match * match_len): a long match predicts a long copy, a short
+    one rarely pays for the wider verify forward (SuffixDecoding's adaptive draft length).
+    """
+    n = jnp.minimum(jnp.minimum(available, max_draft), k)
+    if draft_per_match is not None:
+        n = jnp.minimum(n, jnp.ceil(draft_per_match * match_len).astype(jnp.int32))
+    return jnp.where(match_len >= min_match, jnp.maximum(n, 0), 0).astype(jnp.int32)
