@@ -8,6 +8,7 @@ recompiles anything.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Literal, Sequence
 
@@ -72,26 +73,41 @@ class SamplingParams:
 SpecMethod = Literal["none", "ngram", "sam", "draft_model", "self_draft", "custom"]
 SamSource = Literal["dynamic", "static", "both"]
 
+# Settings a method gets when the caller leaves them unset (None). The `sam` default is adaptive, tuned for
+# batch 1 on CPU from the measured verify cost c(T) (docs/BENCHMARKS.md): scoring T new tokens costs c(T)
+# plain steps, so a draft pays only when its expected accepted run beats c(T) - 1, and the matched suffix
+# length predicts the run. Nothing is drafted below `min_match` tokens, at most `draft_per_match` x the
+# match length above it, and each step runs the narrowest verify width holding the batch's longest draft.
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "none": dict(num_speculative_tokens=0, min_match=1, draft_per_match=math.inf, verify_widths=(1,)),
+    "ngram": dict(num_speculative_tokens=5, min_match=2, draft_per_match=math.inf),
+    "sam": dict(num_speculative_tokens=16, min_match=4, draft_per_match=1.0, verify_widths=(1, 5, 17)),
+    "draft_model": dict(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf),
+    "self_draft": dict(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf),
+    "custom": dict(min_match=1, draft_per_match=math.inf),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """How to speculate: static settings, part of the compiled program's identity.
 
-    Data a method needs (a draft model, a static suffix automaton) rides along in fields that are excluded
-    from hashing and comparison; `generate` passes it to the device as jit arguments.
+    Unset (None) settings take the method's defaults (METHOD_DEFAULTS); `SpecConfig(method="sam")` is the
+    adaptive suffix-automaton setting. Data a method needs (a draft model, a static suffix automaton) rides
+    along in fields excluded from hashing and comparison; `generate` passes it to the device as jit arguments.
     """
 
     method: SpecMethod = "none"
-    num_speculative_tokens: int = 8  # K: the most drafts per row and step
+    num_speculative_tokens: int | None = None  # K: the most drafts per row and step
     # Lookup proposers (ngram, sam): propose nothing below this matched length, and at most
-    # ceil(draft_per_match * match length) tokens (SuffixDecoding's alpha); None means no cap.
-    min_match: int = 2
+    # ceil(draft_per_match * match length) tokens (SuffixDecoding's alpha); math.inf means no cap.
+    min_match: int | None = None
     draft_per_match: float | None = None
     ngram_max: int = 4  # prompt lookup tries n-grams of ngram_max .. min_match tokens
     sam_source: SamSource = "dynamic"
     # Widths (new tokens per row) the verify forward may take; each step runs the narrowest one that holds
     # the longest draft in the batch, so a step where no row drafts costs one plain decode step.
-    # None: (1, K + 1); (K + 1,) always verifies at full width. Each width compiles its own forward.
+    # Default (1, K + 1); (K + 1,) always verifies at full width. Each width compiles its own forward.
     verify_widths: tuple[int, ...] | None = None
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
     draft_model: Any = dataclasses.field(default=None, compare=False, repr=False)  # a LanguageModel
@@ -105,15 +121,27 @@ class SpecConfig:
         methods = ("none", "ngram", "sam", "draft_model", "self_draft", "custom")
         if self.method not in methods:
             raise ValueError(f"method={self.method!r} must be one of {methods}")
+        defaults = dict(METHOD_DEFAULTS[self.method])
+        if self.method == "custom":
+            defaults["num_speculative_tokens"] = getattr(self.proposer, "num_speculative_tokens", None)
+        if self.num_speculative_tokens is not None:
+            defaults.pop("verify_widths", None)  # the method's widths belong to its own K
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.verify_widths is None and isinstance(self.num_speculative_tokens, numbers.Integral):
+            object.__setattr__(self, "verify_widths", tuple(sorted({1, self.num_speculative_tokens + 1})))
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
             raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 0")
+        if self.method == "none" and k != 0:
+            raise ValueError(f"num_speculative_tokens={k!r} with method='none': plain decoding drafts nothing")
         if self.method != "none" and k == 0:
             raise ValueError(f"num_speculative_tokens=0 leaves method={self.method!r} nothing to propose")
         if self.min_match < 1:
             raise ValueError(f"min_match={self.min_match!r} must be >= 1")
-        if self.draft_per_match is not None and not self.draft_per_match > 0:
-            raise ValueError(f"draft_per_match={self.draft_per_match!r} must be > 0 or None")
+        if not self.draft_per_match > 0:
+            raise ValueError(f"draft_per_match={self.draft_per_match!r} must be > 0 (math.inf: no cap)")
         if self.ngram_max < self.min_match:
             raise ValueError(f"ngram_max={self.ngram_max!r} must be >= min_match={self.min_match!r}")
         if self.sam_source not in ("dynamic", "static", "both"):
@@ -127,13 +155,12 @@ class SpecConfig:
                              f"got {self.proposer!r}")
         if self.self_draft_layers < 1:
             raise ValueError(f"self_draft_layers={self.self_draft_layers!r} must be >= 1")
-        if self.verify_widths is not None:
-            widths = tuple(self.verify_widths)
-            if not widths or min(widths) < 1 or max(widths) != k + 1:
-                raise ValueError(f"verify_widths={widths!r} must be >= 1 and end at num_speculative_tokens + 1"
-                                 f" = {k + 1}")
+        widths = tuple(self.verify_widths)
+        if not widths or min(widths) < 1 or max(widths) != k + 1:
+            raise ValueError(f"verify_widths={widths!r} must be >= 1 and end at num_speculative_tokens + 1 = {k + 1}")
+        object.__setattr__(self, "verify_widths", tuple(sorted(set(widths))))
 
-    @property
-    def widths(self) -> tuple[int, ...]:
-        k = self.num_speculative_tokens
-        return tuple(sorted(set(self.verify_widths or (1, k + 1))))
+    @classmethod
+    def adaptive_sam(cls, **overrides) -> "SpecConfig":
+        """The adaptive suffix-automaton default, `SpecConfig(method="sam")`, with any setting overridden."""
+        return cls(method="sam", **overrides)

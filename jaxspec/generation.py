@@ -229,7 +229,7 @@ def generate(
 
     proposer, proposer_params = build_proposer(lm, spec, prompt_width=width, buffer_len=buffer_len,
                                                cache_len=cache_len)
-    widths = spec.widths if proposer.num_speculative_tokens else (1,)
+    widths = spec.verify_widths
 
     t0 = time.perf_counter()
     state = prefill(lm.graphdef, lm.params, jnp.asarray(padded), jnp.asarray(prompt_lens, jnp.int32), rows,

@@ -30,7 +30,7 @@ def plain(smollm2, prompt_ids):
 def _specs(lm):
     return {
         "ngram": SpecConfig(method="ngram", num_speculative_tokens=5),
-        "sam": SpecConfig(method="sam", num_speculative_tokens=8, draft_per_match=1.0),
+        "sam": SpecConfig(method="sam", num_speculative_tokens=8, min_match=2),
         "self_draft": SpecConfig(method="self_draft", num_speculative_tokens=3, self_draft_layers=10),
         "draft_model": SpecConfig(method="draft_model", num_speculative_tokens=2,
                                   draft_model=self_draft_model(lm, 4)),
@@ -63,7 +63,7 @@ def test_seeded_sampling_with_sam_mostly_reproduces_plain(smollm2, prompt_ids):
     and every row agrees for its first tokens."""
     sampling = SamplingParams(temperature=0.8, seed=11)
     plain = jaxspec.generate(smollm2, prompt_ids, max_new_tokens=NEW_TOKENS, sampling=sampling)
-    spec = SpecConfig(method="sam", num_speculative_tokens=8, draft_per_match=1.0)
+    spec = SpecConfig(method="sam", num_speculative_tokens=8, min_match=2)
     out = jaxspec.generate(smollm2, prompt_ids, max_new_tokens=NEW_TOKENS, sampling=sampling, spec=spec)
     same = sum(a == b for a, b in zip(out.token_ids, plain.token_ids))
     assert same >= 6, (same, out.token_ids, plain.token_ids)

@@ -72,6 +72,6 @@ def lookup_draft_count(match_len: jax.Array, available: jax.Array, max_draft: ja
     one rarely pays for the wider verify forward (SuffixDecoding's adaptive draft length).
     """
     n = jnp.minimum(jnp.minimum(available, max_draft), k)
-    if draft_per_match is not None:
+    if draft_per_match is not None and draft_per_match != float("inf"):
         n = jnp.minimum(n, jnp.ceil(draft_per_match * match_len).astype(jnp.int32))
     return jnp.where(match_len >= min_match, jnp.maximum(n, 0), 0).astype(jnp.int32)
