@@ -1,12 +1,15 @@
 """jaxspec: speculative decoding for JAX/Flax.
 
-The public API: load a model, generate, and the pieces researchers compose (sampling, cache, models).
+The public API: load a model, generate (plainly or speculatively), and the pieces researchers compose
+(sampling, rejection sampling, proposers, cache, models).
 """
 
 from .cache import KVCache
 from .config import SamplingParams, SpecConfig
 from .generation import GenerateResult, GenerateStats, RowStats, generate
 from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_model
+from .proposers import StaticSuffixAutomaton
+from .rejection import rejection_sample
 from .sampling import process_logits, processed_probs, sample
 
 __all__ = [
@@ -19,9 +22,11 @@ __all__ = [
     "RowStats",
     "SamplingParams",
     "SpecConfig",
+    "StaticSuffixAutomaton",
     "generate",
     "load_model",
     "process_logits",
+    "rejection_sample",
     "processed_probs",
     "sample",
 ]

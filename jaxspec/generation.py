@@ -21,6 +21,7 @@ from .models.loading import LanguageModel
 from .proposers.base import Proposer
 from .proposers.draft_model import DraftModelProposer, self_draft_model
 from .proposers.ngram import NgramProposer
+from .proposers.sam import SamProposer
 
 _BUCKET_MIN = 16
 _CACHE_ALIGN = 128
@@ -156,8 +157,6 @@ def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, bu
         return NgramProposer(k, ngram_max=spec.ngram_max, min_match=spec.min_match,
                              draft_per_match=spec.draft_per_match), None
     if spec.method == "sam":
-        from .proposers.sam import SamProposer  # TEMP until sam.py lands
-
         return SamProposer(k, max_text_len=prompt_width + buffer_len, source=spec.sam_source,
                            min_match=spec.min_match, draft_per_match=spec.draft_per_match), spec.static_sam
     draft = spec.draft_model if spec.method == "draft_model" else self_draft_model(lm, spec.self_draft_layers)

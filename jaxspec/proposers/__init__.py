@@ -1,0 +1,20 @@
+"""Proposers: pure functions that draft tokens for the target to verify (see base.Proposer)."""
+
+from .base import Committed, Context, Draft, Proposer
+from .draft_model import DraftModelProposer, self_draft_model
+from .ngram import NgramProposer
+from .sam import SamProposer
+from .suffix_automaton import StaticSuffixAutomaton, SuffixAutomaton
+
+__all__ = [
+    "Committed",
+    "Context",
+    "Draft",
+    "DraftModelProposer",
+    "NgramProposer",
+    "Proposer",
+    "SamProposer",
+    "StaticSuffixAutomaton",
+    "SuffixAutomaton",
+    "self_draft_model",
+]

@@ -1,0 +1,100 @@
+"""Suffix automaton proposer: draft what followed the longest earlier occurrence of the row's current suffix.
+
+Sources (SAM-Decoding): "dynamic", an automaton of the row's own text (prompt + output), built after prefill
+and extended with every committed token; "static", an automaton of a fixed corpus (`StaticSuffixAutomaton`,
+built on the host, passed as `params`), matched incrementally against the row's text; "both": the source with
+the longer match drafts (the dynamic one on a tie).
+
+Deterministic: `Draft.probs` is None. `Draft.match_len` is the matched suffix length behind the draft.
+
+The dynamic automaton keeps its own copy of the row's text (drafts are read from it), so `propose` and `update`
+never read `ctx.history`; `init` reads history[:, :history_len]. Memory per row for max_text_len T: about
+(32 + 16 * S/T + 4) * T bytes with S = the power of two >= 6T (335 KB for T = 2048). A row whose text outgrows
+T stops drafting from the dynamic source (with "both", the static source still drafts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from . import suffix_automaton as sam_lib
+from .base import Committed, Context, Draft, lookup_draft_count
+from .suffix_automaton import StaticMatch, StaticSuffixAutomaton, SuffixAutomaton
+
+
+@flax.struct.dataclass
+class SamState:
+    dynamic: SuffixAutomaton | None  # per row (leading axis B); None for source "static"
+    static: StaticMatch | None  # per row; None for source "dynamic"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamProposer:
+    num_speculative_tokens: int  # K
+    max_text_len: int  # the dynamic automaton's capacity (prompt bucket + output buffer); past it: no drafts
+    source: str = "dynamic"  # "dynamic" | "static" | "both"
+    min_match: int = 2  # propose nothing below this matched suffix length
+    draft_per_match: float | None = None  # at most ceil(draft_per_match * match_len) drafts
+
+    def __post_init__(self):
+        if self.source not in ("dynamic", "static", "both"):
+            raise ValueError(f"source={self.source!r} must be 'dynamic', 'static' or 'both'")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be >= 1")
+        if self.max_text_len < 1:
+            raise ValueError(f"max_text_len={self.max_text_len!r} must be >= 1")
+
+    @property
+    def _dynamic(self) -> bool:
+        return self.source in ("dynamic", "both")
+
+    @property
+    def _static(self) -> bool:
+        return self.source in ("static", "both")
+
+    def _check_params(self, params):
+        if self._static and not isinstance(params, StaticSuffixAutomaton):
+            raise ValueError(f"source={self.source!r} needs params = a StaticSuffixAutomaton, got {type(params)}")
+
+    def init(self, params, ctx: Context) -> SamState:
+        """Feed each row's history (prompt + first generated token) to its automaton / corpus match."""
+        self._check_params(params)
+        batch = ctx.history.shape[0]
+        dynamic = static = None
+        if self._dynamic:
+            dynamic = sam_lib.build_dynamic_batch(ctx.history, ctx.history_len, self.max_text_len)
+        if self._static:
+            static = sam_lib.static_feed_batch(params, StaticMatch.create(batch), ctx.history.astype(jnp.int32),
+                                               ctx.history_len.astype(jnp.int32))
+        return SamState(dynamic=dynamic, static=static)
+
+    def propose(self, params, pstate: SamState, ctx: Context, keys: jax.Array) -> tuple[Draft, SamState]:
+        k = self.num_speculative_tokens
+        if self._dynamic:
+            tokens, match_len, available = sam_lib.dynamic_draft_batch(pstate.dynamic, k)
+        if self._static:
+            s_tokens, s_match, s_available = sam_lib.static_draft_batch(params, pstate.static, k)
+            if self._dynamic:
+                use_static = s_match > match_len
+                tokens = jnp.where(use_static[:, None], s_tokens, tokens)
+                match_len = jnp.where(use_static, s_match, match_len)
+                available = jnp.where(use_static, s_available, available)
+            else:
+                tokens, match_len, available = s_tokens, s_match, s_available
+        num_draft = lookup_draft_count(match_len, available, ctx.max_draft, k, self.min_match, self.draft_per_match)
+        tokens = jnp.where(jnp.arange(k) < num_draft[:, None], tokens, 0).astype(jnp.int32)
+        return Draft(tokens=tokens, num_draft=num_draft, probs=None, match_len=match_len.astype(jnp.int32)), pstate
+
+    def update(self, params, pstate: SamState, ctx: Context, committed: Committed) -> SamState:
+        """Extend with committed.tokens[b, :committed.num[b]] (ctx already holds them)."""
+        tokens, num = committed.tokens.astype(jnp.int32), committed.num.astype(jnp.int32)
+        dynamic, static = pstate.dynamic, pstate.static
+        if self._dynamic:
+            dynamic = sam_lib.extend_many_batch(dynamic, tokens, num)
+        if self._static:
+            static = sam_lib.static_feed_batch(params, static, tokens, num)
+        return SamState(dynamic=dynamic, static=static)
