@@ -16,4 +16,6 @@ test: install
 	$(PYTHON) -m pytest -q
 
 bench: install
+	$(PYTHON) -m pip install -q -e ".[bench,peers]"
 	$(PYTHON) scripts/bench.py
+	$(PYTHON) scripts/bench.py --spec --peers

@@ -28,6 +28,10 @@ def main(argv=None) -> int:
     parser.add_argument("--min-p", type=float, default=0.0, help="in [0, 1] (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--spec", choices=("none", "ngram", "sam", "self_draft"), default="none",
+                        help="speculative decoding method; output is the same, speed differs (default: %(default)s)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="K, the most drafts per step (default: the method's)")
     args = parser.parse_args(argv)
 
     try:
@@ -38,7 +42,8 @@ def main(argv=None) -> int:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             prompt = lm.tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}])
-        result = jaxspec.generate(lm, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
+        spec = jaxspec.SpecConfig(method=args.spec, num_speculative_tokens=args.num_speculative_tokens)
+        result = jaxspec.generate(lm, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -47,6 +52,9 @@ def main(argv=None) -> int:
     print(f"\n[{s.generated_tokens} tokens, finish: {result.finish_reason[0]}; prefill {s.prompt_tokens} tokens in "
           f"{s.prefill_s:.2f} s; decode {s.decode_tokens_per_s:.1f} tokens/s (first call includes compilation)]",
           file=sys.stderr)
+    if args.spec != "none":
+        print(f"[{args.spec}: {s.steps} steps, {s.accepted}/{s.drafted} drafts accepted, "
+              f"{s.mean_acceptance_length:.2f} tokens per step]", file=sys.stderr)
     return 0
 
 
