@@ -78,10 +78,12 @@ SamSource = Literal["dynamic", "static", "both"]
 # plain steps, so a draft pays only when its expected accepted run beats c(T) - 1, and the matched suffix
 # length predicts the run. Nothing is drafted below `min_match` tokens, at most `draft_per_match` x the
 # match length above it, and each step runs the narrowest verify width holding the batch's longest draft.
+# Widths 2-8 are left out on purpose: at batch 1 XLA:CPU runs a forward over 2-5 new tokens at 3-4x the cost
+# of one token but over 9 tokens at ~1.3x (measured, docs/BENCHMARKS.md), so K = 8 and 16 are the cheap ones.
 METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "none": dict(num_speculative_tokens=0, min_match=1, draft_per_match=math.inf, verify_widths=(1,)),
-    "ngram": dict(num_speculative_tokens=5, min_match=2, draft_per_match=math.inf),
-    "sam": dict(num_speculative_tokens=16, min_match=4, draft_per_match=1.0, verify_widths=(1, 5, 17)),
+    "ngram": dict(num_speculative_tokens=8, min_match=2, draft_per_match=math.inf),
+    "sam": dict(num_speculative_tokens=16, min_match=4, draft_per_match=1.0, verify_widths=(1, 9, 17)),
     "draft_model": dict(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf),
     "self_draft": dict(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf),
     "custom": dict(min_match=1, draft_per_match=math.inf),
