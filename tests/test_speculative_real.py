@@ -31,7 +31,7 @@ def _specs(lm):
     return {
         "ngram": SpecConfig(method="ngram", num_speculative_tokens=5),
         "sam": SpecConfig(method="sam", num_speculative_tokens=8, min_match=2),
-        "self_draft": SpecConfig(method="self_draft", num_speculative_tokens=3, self_draft_layers=10),
+        "self_draft": SpecConfig(method="self_draft", num_speculative_tokens=2, self_draft_layers=2),
         "draft_model": SpecConfig(method="draft_model", num_speculative_tokens=2,
                                   draft_model=self_draft_model(lm, 4)),
     }
