@@ -145,6 +145,17 @@ def _stop_ids(lm: LanguageModel, num_rows: int, stop_token_ids, ignore_eos: bool
     return table
 
 
+def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int, k: int) -> tuple[int, int, int]:
+    """(prompt width P, output buffer N, cache slots S) that a batch compiles for.
+
+    A power of two for the prompt and output buffers, the cache aligned to 128 slots, so similar requests
+    reuse one program; verification writes up to K draft slots past a row's last token.
+    """
+    width = _next_pow2(max(prompt_lens), _BUCKET_MIN)
+    buffer_len = _next_pow2(max_new_tokens, _BUCKET_MIN)
+    return width, buffer_len, _round_up(max(width, max(prompt_lens) + buffer_len + k + 1), _CACHE_ALIGN)
+
+
 def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, buffer_len: int,
                    cache_len: int) -> tuple[Proposer, object]:
     """The proposer (static settings) and its params (a pytree passed to the device) for `spec`."""
@@ -215,11 +226,7 @@ def generate(
         empty = GenerateStats(prompt_tokens=sum(prompt_lens), generated_tokens=0, steps=0, prefill_s=0.0, decode_s=0.0)
         return GenerateResult([[] for _ in ids], ["" for _ in ids], ["length"] * batch, empty)
 
-    # Bucketed shapes: a power of two for the prompt and output buffers, the cache aligned to 128 slots.
-    width = _next_pow2(max(prompt_lens), _BUCKET_MIN)
-    buffer_len = _next_pow2(max_new_tokens, _BUCKET_MIN)
-    # Verification writes up to K draft slots past a row's last token.
-    cache_len = _round_up(max(width, max(prompt_lens) + buffer_len + spec.num_speculative_tokens + 1), _CACHE_ALIGN)
+    width, buffer_len, cache_len = bucket_shapes(prompt_lens, max_new_tokens, spec.num_speculative_tokens)
     padded = np.zeros((batch, width), np.int32)
     for i, p in enumerate(ids):
         padded[i, : len(p)] = p

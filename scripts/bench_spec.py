@@ -62,8 +62,7 @@ import workloads  # noqa: E402
 from jaxspec import SamplingParams, SpecConfig  # noqa: E402
 from jaxspec.decode import decode as decode_jit  # noqa: E402
 from jaxspec.decode import prefill as prefill_jit  # noqa: E402
-from jaxspec.generation import (  # noqa: E402
-    _BUCKET_MIN, _CACHE_ALIGN, _next_pow2, _round_up, build_proposer, default_attention_impl)
+from jaxspec.generation import bucket_shapes, build_proposer, default_attention_impl  # noqa: E402
 from jaxspec.proposers.base import Committed, Context  # noqa: E402
 from jaxspec.sampling import row_keys  # noqa: E402
 
@@ -218,11 +217,8 @@ def cost_of(curve: list[dict] | None, t: int) -> float:
 # ----------------------------------------------------------------------------------------------- runs
 
 def shape_key(rows: list[list[int]], new_tokens: int, k: int) -> tuple:
-    """The shapes `jaxspec.generate` compiles for (mirrors its bucketing): batch, prompt, buffer, cache."""
-    width = _next_pow2(max(len(p) for p in rows), _BUCKET_MIN)
-    buffer_len = _next_pow2(new_tokens, _BUCKET_MIN)
-    cache_len = _round_up(max(width, max(len(p) for p in rows) + buffer_len + k + 1), _CACHE_ALIGN)
-    return len(rows), width, buffer_len, cache_len
+    """The shapes `jaxspec.generate` compiles for: batch, prompt, buffer, cache."""
+    return (len(rows),) + bucket_shapes([len(p) for p in rows], new_tokens, k)
 
 
 def compiled_programs() -> int:
@@ -257,7 +253,7 @@ class Runner:
             return
         self.learn_first_tokens(rows)
         stops = [[self.first_tokens[tuple(p)]] * self.stop_width for p in rows]
-        bucket = _next_pow2(self.new_tokens, _BUCKET_MIN)
+        bucket = bucket_shapes([1], self.new_tokens, 0)[1]
         limit = min(self.new_tokens, bucket // 2 + 1)
         jaxspec.generate(self.lm, rows, max_new_tokens=limit, ignore_eos=True, stop_token_ids=stops,
                          spec=config.spec)

@@ -152,18 +152,8 @@ def _rowwise(batched_fn: Callable, num_shared: int = 0) -> Callable:
 # the dynamic automaton
 
 
-@flax.struct.dataclass
-class SuffixAutomaton:
-    """The suffix automaton of one row's text (a batch: every field with a leading axis B)."""
-
-    nodes: jax.Array  # i32[C, 4]  LENGTH, LINK, MIN_ENDPOS, HEAD
-    slots: jax.Array  # i32[S + W, 4]  SRC, TOKEN, DST, NEXT  (SRC -1: empty)
-    text: jax.Array  # i32[T]
-    num_states: jax.Array  # i32
-    num_edges: jax.Array  # i32  transitions stored
-    last: jax.Array  # i32  the state of the whole text
-    text_len: jax.Array  # i32
-    full: jax.Array  # bool  capacity ran out: the automaton stopped following the text
+class _NodeColumns:
+    """Named views of the `nodes` table that both automata keep."""
 
     @property
     def length(self):
@@ -176,6 +166,20 @@ class SuffixAutomaton:
     @property
     def min_endpos(self):
         return self.nodes[..., MIN_ENDPOS]
+
+
+@flax.struct.dataclass
+class SuffixAutomaton(_NodeColumns):
+    """The suffix automaton of one row's text (a batch: every field with a leading axis B)."""
+
+    nodes: jax.Array  # i32[C, 4]  LENGTH, LINK, MIN_ENDPOS, HEAD
+    slots: jax.Array  # i32[S + W, 4]  SRC, TOKEN, DST, NEXT  (SRC -1: empty)
+    text: jax.Array  # i32[T]
+    num_states: jax.Array  # i32
+    num_edges: jax.Array  # i32  transitions stored
+    last: jax.Array  # i32  the state of the whole text
+    text_len: jax.Array  # i32
+    full: jax.Array  # bool  capacity ran out: the automaton stopped following the text
 
     @property
     def max_text_len(self) -> int:
@@ -356,24 +360,12 @@ def dynamic_draft(sam: SuffixAutomaton, k: int):
 
 
 @flax.struct.dataclass
-class StaticSuffixAutomaton:
+class StaticSuffixAutomaton(_NodeColumns):
     """The suffix automaton of a corpus (sequences joined by a separator), built on the host; a pytree."""
 
     nodes: jax.Array  # i32[N_states, 4]  LENGTH, LINK, MIN_ENDPOS, HEAD
     slots: jax.Array  # i32[S + W, 4]  SRC, TOKEN, DST, NEXT
     corpus: jax.Array  # i32[N]
-
-    @property
-    def length(self):
-        return self.nodes[..., LENGTH]
-
-    @property
-    def link(self):
-        return self.nodes[..., LINK]
-
-    @property
-    def min_endpos(self):
-        return self.nodes[..., MIN_ENDPOS]
 
     @classmethod
     def build(cls, sequences: Sequence[Sequence[int]], separator: int) -> "StaticSuffixAutomaton":
