@@ -102,7 +102,7 @@ def _context(state: DecodeState, sampling: SamplingParams, limits: RowLimits, k:
     room = limits.max_new_tokens - state.num_generated - 1
     max_draft = jnp.where(state.done, 0, jnp.clip(room, 0, k))
     return Context(history=state.history, history_len=state.history_len, max_draft=max_draft, sampling=sampling,
-                   positions=state.cache.lengths)
+                   positions=state.cache.lengths, active=~state.done)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len"))
@@ -206,19 +206,40 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     return new.replace(pstate=pstate)
 
 
+def _loop(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params,
+          proposer: Proposer, widths: tuple[int, ...], attention_impl: str, last_step: jax.Array) -> DecodeState:
+    """Steps until every row is done or the loop's step counter reaches `last_step`."""
+    model = nnx.merge(graphdef, params)
+
+    def cond(s: DecodeState):
+        return ~jnp.all(s.done) & (s.steps < last_step)
+
+    def body(s: DecodeState):
+        return spec_step(model, proposer, proposer_params, s, sampling, limits, widths, attention_impl)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "widths", "attention_impl"),
                    donate_argnames=("state",))
 def decode(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params=None,
            *, proposer: Proposer = NoProposer(), widths: tuple[int, ...] = (1,),
            attention_impl: str = "xla") -> DecodeState:
     """Decode until every row is done, as one `lax.while_loop` on the device."""
-    model = nnx.merge(graphdef, params)
     max_steps = state.counters.committed.shape[1]
+    return _loop(graphdef, params, state, sampling, limits, proposer_params, proposer, widths, attention_impl,
+                 jnp.asarray(max_steps, jnp.int32))
 
-    def cond(s: DecodeState):
-        return ~jnp.all(s.done) & (s.steps < max_steps)
 
-    def body(s: DecodeState):
-        return spec_step(model, proposer, proposer_params, s, sampling, limits, widths, attention_impl)
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "widths", "attention_impl", "num_steps"),
+                   donate_argnames=("state",))
+def decode_chunk(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits,
+                 proposer_params=None, *, proposer: Proposer = NoProposer(), widths: tuple[int, ...] = (1,),
+                 attention_impl: str = "xla", num_steps: int) -> DecodeState:
+    """At most `num_steps` more steps, fewer once every row is done: the serving engine's unit of work.
 
-    return jax.lax.while_loop(cond, body, state)
+    Between chunks the host streams what rows committed, admits requests into free rows and retires finished
+    ones; the state (cache, histories, proposer state) stays on the device and is updated in place.
+    """
+    return _loop(graphdef, params, state, sampling, limits, proposer_params, proposer, widths, attention_impl,
+                 state.steps + num_steps)

@@ -43,6 +43,7 @@ class Context:
     max_draft: jax.Array  # i32[B]  drafts allowed this step (0 for finished rows; capped by the token budget)
     sampling: SamplingParams  # per-row arrays [B]
     positions: jax.Array  # i32[B]  position of each row's newest token (== its committed cache length)
+    active: jax.Array | None = None  # bool[B]  rows still generating (None: all of them)
 
 
 @flax.struct.dataclass

@@ -1,0 +1,165 @@
+"""When to speculate under load: the serving engine asks a policy for per-row draft caps before each chunk.
+
+Verification widens the target forward. At low load the forward is bandwidth-bound and a wider one costs
+little more than a plain step; as the batch grows it turns compute-bound and every drafted token costs real
+time (SEEDS.md sections 1, 4 and 5). A policy therefore answers, for a compiled batch of `num_slots` rows,
+"how many drafts per row, with a rows still generating?" as a table `caps[a]` that the device reads at every
+step (rows finishing inside a chunk move the index), and learns from what each chunk achieved.
+
+- `FixedPolicy`: the full K whatever the load.
+- `OffPolicy`: never speculate.
+- `AdaptivePolicy` (the default): speculate only while at most `max_active` rows run (8, as in SEEDS §1),
+  halving K each time the active rows double, and switch speculation off in a batch size where it measured
+  slower than plain decoding (tokens per second of whole chunks, both kinds timed in the same server), trying
+  it again after an interval that doubles each time the measurement confirms the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkReport:
+    num_slots: int  # the compiled batch the chunk ran at
+    active: int  # rows generating when the chunk started
+    max_cap: int  # the largest draft cap the chunk's table allowed for `active` rows (0: plain decoding)
+    tokens: int  # tokens committed by all rows in the chunk
+    seconds: float  # wall time of the chunk
+
+
+class SpeculationPolicy(Protocol):
+    def draft_caps(self, num_slots: int, k: int) -> np.ndarray:
+        """i32[num_slots + 1]: the most drafts per row while a rows are active (index a)."""
+        ...
+
+    def observe(self, report: ChunkReport) -> None: ...
+
+
+@dataclasses.dataclass
+class FixedPolicy:
+    """Always draft up to K per row."""
+
+    def draft_caps(self, num_slots: int, k: int) -> np.ndarray:
+        return np.full((num_slots + 1,), k, np.int32)
+
+    def observe(self, report: ChunkReport) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class OffPolicy:
+    """Never draft: every step is a plain decode step."""
+
+    def draft_caps(self, num_slots: int, k: int) -> np.ndarray:
+        return np.zeros((num_slots + 1,), np.int32)
+
+    def observe(self, report: ChunkReport) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class _Arm:
+    """Exponential moving average of tokens per second for one way of running one batch size."""
+
+    rate: float | None = None
+    chunks: int = 0
+
+    def add(self, tokens_per_s: float, smoothing: float) -> None:
+        self.rate = tokens_per_s if self.rate is None else (1 - smoothing) * self.rate + smoothing * tokens_per_s
+        self.chunks += 1
+
+
+@dataclasses.dataclass
+class _SlotsRecord:
+    speculative: _Arm = dataclasses.field(default_factory=_Arm)
+    plain: _Arm = dataclasses.field(default_factory=_Arm)
+    off: bool = False  # speculation measured slower at this batch size
+    since_switch: int = 0  # chunks run since the last chunk of the other kind
+    interval: int = 0  # chunks of the current kind before one chunk of the other kind is measured
+
+
+@dataclasses.dataclass
+class AdaptivePolicy:
+    max_active: int = 8  # speculate only while at most this many rows are active (SEEDS §1)
+    full_k_active: int = 1  # up to this many active rows draft the full K; K halves as the count doubles
+    min_chunks: int = 3  # chunks of each kind measured before the rates are compared
+    margin: float = 0.03  # speculation must beat plain decoding by this fraction to stay on
+    smoothing: float = 0.3  # weight of the newest chunk in the moving averages
+    probe_interval: int = 16  # chunks of one kind between measurements of the other; doubles after each
+    max_probe_interval: int = 512  # measurement that confirms the current choice
+    _records: dict[int, _SlotsRecord] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.max_active < 0:
+            raise ValueError(f"max_active={self.max_active!r} must be >= 0")
+        if self.full_k_active < 1:
+            raise ValueError(f"full_k_active={self.full_k_active!r} must be >= 1")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing={self.smoothing!r} must be in (0, 1]")
+        if self.min_chunks < 1 or self.probe_interval < 1:
+            raise ValueError(f"min_chunks={self.min_chunks!r} and probe_interval={self.probe_interval!r} must be >= 1")
+
+    def static_caps(self, num_slots: int, k: int) -> np.ndarray:
+        """The load rule alone: K up to `full_k_active` rows, halved per doubling, 0 past `max_active`."""
+        active = np.arange(num_slots + 1)
+        doublings = np.ceil(np.log2(np.maximum(active, 1) / self.full_k_active)).clip(min=0)
+        caps = np.floor(k / 2.0 ** doublings).astype(np.int32)
+        return np.where(active <= self.max_active, caps, 0).astype(np.int32)
+
+    def _record(self, num_slots: int) -> _SlotsRecord:
+        return self._records.setdefault(num_slots, _SlotsRecord(interval=self.probe_interval))
+
+    def _measure_plain_next(self, record: _SlotsRecord) -> bool:
+        if record.plain.chunks < self.min_chunks:  # warming up: alternate the two kinds
+            return record.speculative.chunks > record.plain.chunks
+        # Off: speculate once per interval to see whether that changed; on: measure plain once per interval.
+        due = record.since_switch >= record.interval
+        return not due if record.off else due
+
+    def draft_caps(self, num_slots: int, k: int) -> np.ndarray:
+        caps = self.static_caps(num_slots, k)
+        if caps.any() and self._measure_plain_next(self._record(num_slots)):
+            return np.zeros_like(caps)
+        return caps
+
+    def observe(self, report: ChunkReport) -> None:
+        if report.seconds <= 0 or report.tokens <= 0 or report.active <= 0:
+            return
+        if not self.static_caps(report.num_slots, 1).any():
+            return  # this batch size never speculates: nothing to learn
+        record = self._record(report.num_slots)
+        # Per active row: a chunk's tokens grow with the rows running, whatever the kind of step.
+        rate = report.tokens / report.seconds / report.active
+        speculative = report.max_cap > 0
+        (record.speculative if speculative else record.plain).add(rate, self.smoothing)
+        minority = speculative == record.off  # the kind run only to measure it
+        record.since_switch = 0 if minority else record.since_switch + 1
+        spec, plain = record.speculative, record.plain
+        if spec.chunks < self.min_chunks or plain.chunks < self.min_chunks:
+            return
+        off = spec.rate < plain.rate * (1 + self.margin)
+        if minority:
+            # A measurement of the other kind: a confirmed choice is checked less often, a changed one resets.
+            record.interval = (min(2 * record.interval, self.max_probe_interval) if off == record.off
+                               else self.probe_interval)
+        record.off = off
+
+    def speculating(self, num_slots: int) -> bool:
+        """Whether speculation is currently on for this batch size (for metrics and tests)."""
+        record = self._records.get(num_slots)
+        return record is None or not record.off
+
+
+def make_policy(name: str, *, max_active: int = 8) -> SpeculationPolicy:
+    """The policy a server option names: "adaptive", "fixed" or "off"."""
+    if name == "adaptive":
+        return AdaptivePolicy(max_active=max_active)
+    if name == "fixed":
+        return FixedPolicy()
+    if name == "off":
+        return OffPolicy()
+    raise ValueError(f"policy={name!r} must be 'adaptive', 'fixed' or 'off'")

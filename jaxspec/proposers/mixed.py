@@ -1,0 +1,99 @@
+"""Several proposers in one batch: each row drafts with the proposer its request chose, within two caps.
+
+A serving batch mixes requests that asked for different methods (plain, prompt lookup, suffix automaton) and
+draft budgets. `MixedProposer` runs every member proposer over the whole batch (they are cheap next to the
+target forward) and keeps, per row, the draft of the member the row chose. A row's drafts are capped by
+
+- its own request's budget (`MixedState.max_draft`, set when the row is admitted), and
+- the load cap `MixedParams.draft_cap_by_active[a]`, where a is the number of rows still generating: the
+  speculation policy's answer to "how many drafts per row pay off with a rows running?". It is a jit argument,
+  so the policy may change it between chunks without recompiling, and it is read at every step, so it
+  follows rows finishing inside a chunk.
+
+Member proposers must be deterministic (n-gram, suffix automaton): their drafts carry no distribution
+(`Draft.probs is None`), so one verification rule serves every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from .base import Committed, Context, Draft, Proposer
+
+
+@flax.struct.dataclass
+class MixedParams:
+    draft_cap_by_active: jax.Array  # i32[A + 1]  the most drafts per row while a rows are active
+    members: tuple  # each member proposer's params
+
+
+@flax.struct.dataclass
+class MixedState:
+    choice: jax.Array  # i32[B]  index of the row's proposer in MixedProposer.proposers
+    max_draft: jax.Array  # i32[B]  the row's own draft budget, in [0, K]
+    members: tuple  # each member proposer's per-row state
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedProposer:
+    proposers: tuple[Proposer, ...]  # all with the same K; a row's choice indexes this tuple
+    num_speculative_tokens: int
+
+    def __post_init__(self):
+        if not self.proposers:
+            raise ValueError("proposers=() must name at least one proposer")
+        ks = [p.num_speculative_tokens for p in self.proposers]
+        if any(k != self.num_speculative_tokens for k in ks):
+            raise ValueError(f"member proposers have K={ks}; all must equal num_speculative_tokens="
+                             f"{self.num_speculative_tokens}")
+
+    def init(self, params: MixedParams, ctx: Context) -> MixedState:
+        """Every row starts with member 0 and the full budget; the engine sets the row's choice after prefill."""
+        batch = ctx.history.shape[0]
+        members = tuple(p.init(mp, ctx) for p, mp in zip(self.proposers, params.members))
+        return MixedState(choice=jnp.zeros((batch,), jnp.int32),
+                          max_draft=jnp.full((batch,), self.num_speculative_tokens, jnp.int32), members=members)
+
+    def propose(self, params: MixedParams, pstate: MixedState, ctx: Context, keys: jax.Array
+                ) -> tuple[Draft, MixedState]:
+        k = self.num_speculative_tokens
+        batch = ctx.history.shape[0]
+        active = jnp.ones((batch,), bool) if ctx.active is None else ctx.active
+        table = params.draft_cap_by_active
+        load_cap = table[jnp.minimum(jnp.sum(active), table.shape[0] - 1)]
+        cap = jnp.minimum(jnp.minimum(ctx.max_draft, pstate.max_draft), load_cap)  # i32[B]
+        ctx = ctx.replace(max_draft=cap)
+
+        def draft_all():
+            tokens = jnp.zeros((batch, k), jnp.int32)
+            num = jnp.zeros((batch,), jnp.int32)
+            match = jnp.zeros((batch,), jnp.int32)
+            states = []
+            for i, (p, mp, ms) in enumerate(zip(self.proposers, params.members, pstate.members)):
+                d, ms = p.propose(mp, ms, ctx, keys)
+                if d.probs is not None:
+                    raise ValueError(f"{p!r} drafts with a distribution; MixedProposer takes deterministic proposers")
+                mine = pstate.choice == i
+                tokens = jnp.where(mine[:, None], d.tokens, tokens)
+                num = jnp.where(mine, d.num_draft, num)
+                if d.match_len is not None:
+                    match = jnp.where(mine, d.match_len, match)
+                states.append(ms)
+            return tokens, jnp.minimum(num, cap), match, tuple(states)
+
+        def draft_none():
+            zeros = jnp.zeros((batch,), jnp.int32)
+            return jnp.zeros((batch, k), jnp.int32), zeros, zeros, pstate.members
+
+        # Under load the policy caps every row at 0: then the members' lookups are skipped outright.
+        tokens, num, match, members = jax.lax.cond(jnp.any(cap > 0), draft_all, draft_none)
+        return Draft(tokens=tokens, num_draft=num, match_len=match), pstate.replace(members=members)
+
+    def update(self, params: MixedParams, pstate: MixedState, ctx: Context, committed: Committed) -> MixedState:
+        members = tuple(p.update(mp, ms, ctx, committed)
+                        for p, mp, ms in zip(self.proposers, params.members, pstate.members))
+        return pstate.replace(members=members)
