@@ -354,18 +354,27 @@ class Engine:
         self._slots = [None] * len(self._slots)
 
     def _warmup(self) -> None:
-        """Compile the loop for every slot bucket (and one prefill) before the first request."""
+        """Compile before the first request: the loop for every slot bucket, the prefill for every prompt bucket."""
         t0 = time.perf_counter()
-        prompt = [1, 2, 3]
+
+        def dummy(prompt_len: int) -> _Live:
+            return _Live(-1, Request([1] * prompt_len, 2), lambda o: None, self.config.spec.method,
+                         np.full((_MAX_STOP_IDS,), -1, np.int32), time.perf_counter())
+
         for n in self.config.slot_buckets:
             self._resize(n)
-            dummy = _Live(-1, Request(prompt, 2), lambda o: None, self.config.spec.method,
-                          np.full((_MAX_STOP_IDS,), -1, np.int32), time.perf_counter())
-            self._admit_one(0, dummy)
+            self._admit_one(0, dummy(3))
             self._slots[0] = None
-            self._run_chunk(np.zeros(n + 1, np.int32))
+            self._run_chunk(np.zeros(self.config.max_slots + 1, np.int32))
         self._resize(self.config.slot_buckets[0])
-        log.info("compiled %d slot buckets in %.1f s", len(self.config.slot_buckets), time.perf_counter() - t0)
+        width = _PROMPT_BUCKET_MIN * 2
+        while width // 2 < self.config.max_context - 1:
+            self._admit_one(0, dummy(min(width, self.config.max_context - 2)))
+            self._slots[0] = None
+            width *= 2
+        self._state = self._state.replace(done=jnp.ones_like(self._state.done))
+        log.info("compiled %d slot buckets and the prefill in %.1f s", len(self.config.slot_buckets),
+                 time.perf_counter() - t0)
 
     # --------------------------------------------------------------- state on the device
 

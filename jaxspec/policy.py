@@ -10,8 +10,8 @@ step (rows finishing inside a chunk move the index), and learns from what each c
 - `OffPolicy`: never speculate.
 - `AdaptivePolicy` (the default): speculate only while at most `max_active` rows run (8, as in SEEDS §1),
   halving K each time the active rows double, and switch speculation off in a batch size where it measured
-  slower than plain decoding (tokens per second of whole chunks, both kinds timed in the same server), trying
-  it again after an interval that doubles each time the measurement confirms the loss.
+  slower than plain decoding (tokens per second per active row over whole chunks, both kinds timed in the
+  same server), trying it again after an interval that doubles each time the measurement confirms the loss.
 """
 
 from __future__ import annotations
@@ -87,10 +87,10 @@ class AdaptivePolicy:
     max_active: int = 8  # speculate only while at most this many rows are active (SEEDS §1)
     full_k_active: int = 1  # up to this many active rows draft the full K; K halves as the count doubles
     min_chunks: int = 3  # chunks of each kind measured before the rates are compared
-    margin: float = 0.03  # speculation must beat plain decoding by this fraction to stay on
+    margin: float = 0.03  # speculation goes off when it measures this fraction slower than plain decoding
     smoothing: float = 0.3  # weight of the newest chunk in the moving averages
     probe_interval: int = 16  # chunks of one kind between measurements of the other; doubles after each
-    max_probe_interval: int = 512  # measurement that confirms the current choice
+    max_probe_interval: int = 64  # measurement that confirms the current choice
     _records: dict[int, _SlotsRecord] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -141,7 +141,8 @@ class AdaptivePolicy:
         spec, plain = record.speculative, record.plain
         if spec.chunks < self.min_chunks or plain.chunks < self.min_chunks:
             return
-        off = spec.rate < plain.rate * (1 + self.margin)
+        # On a tie speculation stays on: it costs nothing then, and pays as soon as the text starts repeating.
+        off = spec.rate < plain.rate * (1 - self.margin)
         if minority:
             # A measurement of the other kind: a confirmed choice is checked less often, a changed one resets.
             record.interval = (min(2 * record.interval, self.max_probe_interval) if off == record.off

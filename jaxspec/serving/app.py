@@ -1,0 +1,357 @@
+"""The OpenAI-compatible HTTP layer over the engine (FastAPI): routes, streaming, errors.
+
+Every request is validated here (HTTP 400 naming the field, 429 when the queue is full, 503 while shutting
+down) before it reaches the engine. Each choice of a request becomes one engine request; the engine thread
+hands its outputs to the event loop with `call_soon_threadsafe`. A client that goes away cancels its engine
+requests, which frees their rows within one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..config import SamplingParams
+from ..engine import Engine, EngineStopped, Output, QueueFull, Request
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse
+from .text import TextStream
+
+# Words that open an engine ValueError message, and the request field each one is about.
+_ENGINE_PARAMS = {"prompt": "prompt", "max_tokens": "max_tokens", "num_speculative_tokens":
+                  "speculative.num_speculative_tokens", "method": "speculative.method",
+                  "stop_token_ids": "stop_token_ids"}
+
+
+class _Choice:
+    """One engine request of an HTTP request: its outputs as an async iterator of text pieces."""
+
+    def __init__(self, index: int, tokenizer, stop: list[str]):
+        self.index = index
+        self.text = TextStream(tokenizer, stop)
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.first_token_at: float | None = None
+        self._queue: asyncio.Queue[Output] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self.handle = None
+
+    def callback(self, out: Output) -> None:  # the engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+
+    async def pieces(self) -> AsyncIterator[str]:
+        while True:
+            out = await self._queue.get()
+            if self.first_token_at is None and out.token_ids:
+                self.first_token_at = time.perf_counter()
+            tokens = out.token_ids
+            count_only: list[int] = []
+            if out.finish_reason == "stop" and tokens:
+                tokens, count_only = tokens[:-1], tokens[-1:]  # the stop token is counted, not shown
+            delta = self.text.add(tokens, count_only)
+            if self.text.stopped and self.finish_reason is None:
+                self.finish_reason = "stop"
+                if out.finish_reason is None and self.handle is not None:
+                    self.handle.cancel()  # a stop string: the row is no longer needed
+            if out.finish_reason is not None:
+                self.finish_reason = self.finish_reason or {"cancelled": "abort"}.get(out.finish_reason,
+                                                                                       out.finish_reason)
+                self.error = out.error
+                delta += self.text.finish()
+                if delta:
+                    yield delta
+                return
+            if delta:
+                yield delta
+
+
+def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, graceful_timeout_s: float = 30.0,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine (compiling every batch size unless `warmup` is False), calls
+    `on_ready` once requests can be served, and on shutdown finishes in-flight requests for up to
+    `graceful_timeout_s` before failing the rest."""
+    lm = engine.lm
+    tokenizer = lm.tokenizer
+    metrics = ServerMetrics(engine)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if engine._thread is None:
+            engine.start(warmup=warmup)
+        await asyncio.to_thread(engine.ready.wait)
+        if engine.failed is not None:
+            raise RuntimeError(f"the engine failed to start: {engine.failed!r}")
+        if on_ready is not None:
+            on_ready()
+        yield
+        # uvicorn has stopped accepting connections and waited for open ones; fail whatever is left.
+        await asyncio.to_thread(engine.shutdown, True, graceful_timeout_s)
+        await asyncio.to_thread(engine.shutdown, False, 10.0)
+
+    app = FastAPI(title="jaxspec", lifespan=lifespan)
+
+    def error_response(err: RequestError) -> JSONResponse:
+        metrics.rejected.labels(status=str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: HTTPRequest, err: RequestError):
+        return error_response(err)
+
+    async def read_json(request: HTTPRequest) -> Any:
+        body = await request.body()
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON: {e}", param=None) from None
+
+    def check_model(name: str) -> None:
+        if name != served_model_name:
+            raise RequestError(f"model {name!r} does not exist; this server serves {served_model_name!r}",
+                               param="model", code="model_not_found")
+
+    def encode(text: str, param: str) -> list[int]:
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise RequestError(f"{param} is empty: at least one token is needed", param=param)
+        return ids
+
+    def engine_requests(body, prompt_ids: list[int], prompt_param: str, default_max: int | None) -> list[Request]:
+        spec = body.speculative
+        method = "none" if spec == "off" else (spec.method if spec else None)
+        k = spec.num_speculative_tokens if spec not in (None, "off") else None
+        seed = secrets.randbits(32) if body.seed is None else body.seed % (1 << 32)
+        max_tokens = default_max if body.max_tokens is None else body.max_tokens
+        if max_tokens is None:  # chat without a limit: up to the end of the context
+            max_tokens = max(engine.config.max_context - len(prompt_ids), 1)
+        requests = []
+        for i in range(body.n):
+            sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
+                                      min_p=body.min_p, seed=(seed + i) % (1 << 32))
+            requests.append(Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                                    stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                                    method=method, num_speculative_tokens=k))
+        for r in requests[:1]:
+            try:
+                engine.validate(r)
+            except ValueError as e:
+                word = str(e).split("=")[0].split(" ")[0]
+                param = _ENGINE_PARAMS.get(word, None)
+                raise RequestError(str(e), param=prompt_param if param == "prompt" else param) from None
+        return requests
+
+    def submit(requests: list[Request], stop: list[str]) -> list[_Choice]:
+        choices = []
+        try:
+            for i, r in enumerate(requests):
+                choice = _Choice(i, tokenizer, stop)
+                choice.handle = engine.submit(r, choice.callback)
+                choices.append(choice)
+        except (QueueFull, EngineStopped, ValueError) as e:
+            for c in choices:
+                c.handle.cancel()
+            if isinstance(e, QueueFull):
+                raise RequestError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
+            if isinstance(e, EngineStopped):
+                raise RequestError(str(e), status=503, type="server_error", code="unavailable") from None
+            raise RequestError(str(e)) from None
+        return choices
+
+    def usage(prompt_tokens: int, choices: list[_Choice]) -> dict:
+        completion = sum(c.text.num_tokens for c in choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+    def record(arrived: float, choices: list[_Choice]) -> None:
+        now = time.perf_counter()
+        for c in choices:
+            metrics.requests.labels(finish_reason=c.finish_reason or "abort").inc()
+            if c.first_token_at is not None:
+                metrics.ttft.observe(c.first_token_at - arrived)
+                if c.text.num_tokens > 1:
+                    metrics.tpot.observe((now - c.first_token_at) / (c.text.num_tokens - 1))
+            metrics.e2e.observe(now - arrived)
+
+    async def merged(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, str]]:
+        """(choice, text piece) from every choice as they come, then a final (choice, "") per choice."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice):
+            async for piece in c.pieces():
+                await queue.put((c, piece))
+            await queue.put((c, None))
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            remaining = len(choices)
+            while remaining:
+                c, piece = await queue.get()
+                if piece is None:
+                    remaining -= 1
+                    yield c, ""
+                else:
+                    yield c, piece
+        finally:
+            for t in tasks:
+                t.cancel()
+            for c in choices:
+                if c.finish_reason is None:
+                    c.handle.cancel()  # the client went away: free the row
+
+    async def collect(request: HTTPRequest, choices: list[_Choice]) -> list[str]:
+        texts = ["" for _ in choices]
+        gen = merged(choices)
+        try:
+            while True:
+                task = asyncio.ensure_future(gen.__anext__())
+                while not task.done():
+                    await asyncio.wait([task], timeout=1.0)
+                    if not task.done() and await request.is_disconnected():
+                        task.cancel()
+                        raise asyncio.CancelledError
+                try:
+                    c, piece = task.result()
+                except StopAsyncIteration:
+                    break
+                texts[c.index] += piece
+        finally:
+            await gen.aclose()
+        return texts
+
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def check_errors(choices: list[_Choice]) -> None:
+        failed = [c for c in choices if c.finish_reason == "error"]
+        if failed:
+            raise RequestError(f"the engine failed: {failed[0].error}", status=500, type="server_error")
+
+    # ------------------------------------------------------------------ routes
+
+    @app.get("/health")
+    async def health():
+        if engine.failed is not None:
+            return JSONResponse({"status": "failed", "error": repr(engine.failed)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "jaxspec", "max_model_len": engine.config.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        arrived = time.perf_counter()
+        body: CompletionRequest = parse(CompletionRequest, await read_json(request))
+        check_model(body.model)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not prompts:
+            raise RequestError("prompt is empty: at least one token is needed", param="prompt")
+        ids_list = [encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
+        requests = []
+        for ids in ids_list:
+            if not ids:
+                raise RequestError("prompt is empty: at least one token is needed", param="prompt")
+            requests += engine_requests(body, ids, "prompt", 16)
+        choices = submit(requests, body.stop_strings)
+        prompt_tokens = sum(len(ids) for ids in ids_list)
+        rid, model = f"cmpl-{uuid.uuid4().hex}", served_model_name
+
+        if body.stream:
+            async def events():
+                try:
+                    async for c, piece in merged(choices):
+                        done = piece == "" and c.finish_reason is not None
+                        if piece or done:
+                            yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                                       "model": model, "choices": [{"index": c.index, "text": piece,
+                                                                    "logprobs": None,
+                                                                    "finish_reason": c.finish_reason if done else None}]})
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                                   "model": model, "choices": [], "usage": usage(prompt_tokens, choices)})
+                    yield "data: [DONE]\n\n"
+                finally:
+                    record(arrived, choices)
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        try:
+            texts = await collect(request, choices)
+        finally:
+            record(arrived, choices)
+        check_errors(choices)
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": c.index, "text": texts[c.index], "logprobs": None,
+                             "finish_reason": c.finish_reason} for c in choices],
+                "usage": usage(prompt_tokens, choices)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        arrived = time.perf_counter()
+        body: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request))
+        check_model(body.model)
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                    for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise RequestError(f"messages: {e}", param="messages") from None
+        ids = encode(text, "messages")
+        choices = submit(engine_requests(body, ids, "messages", None), body.stop_strings)
+        rid, model = f"chatcmpl-{uuid.uuid4().hex}", served_model_name
+
+        if body.stream:
+            async def events():
+                try:
+                    for c in choices:
+                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                                   "model": model, "choices": [{"index": c.index, "delta": {"role": "assistant",
+                                                                                            "content": ""},
+                                                                "logprobs": None, "finish_reason": None}]})
+                    async for c, piece in merged(choices):
+                        done = piece == "" and c.finish_reason is not None
+                        if piece or done:
+                            delta = {"content": piece} if piece else {}
+                            yield sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                                       "model": model, "choices": [{"index": c.index, "delta": delta,
+                                                                    "logprobs": None,
+                                                                    "finish_reason": c.finish_reason if done else None}]})
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                                   "model": model, "choices": [], "usage": usage(len(ids), choices)})
+                    yield "data: [DONE]\n\n"
+                finally:
+                    record(arrived, choices)
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        try:
+            texts = await collect(request, choices)
+        finally:
+            record(arrived, choices)
+        check_errors(choices)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
+                             "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
+                "usage": usage(len(ids), choices)}
+
+    return app

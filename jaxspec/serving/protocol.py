@@ -1,0 +1,149 @@
+"""The OpenAI request bodies the server accepts, validated by pydantic, and OpenAI-style error bodies.
+
+Fields follow OpenAI's completions and chat completions APIs; `top_k`, `min_p`, `ignore_eos`,
+`stop_token_ids` and `speculative` are jaxspec's additions (send them with the openai client's `extra_body`).
+Types are strict (a string is not a number) and every range is checked here, so the handler only sees valid
+values; unknown fields are ignored, as OpenAI's own server does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+SpecMethodName = Literal["none", "ngram", "sam"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class SpeculativeOptions(_Body):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    method: SpecMethodName | None = None
+    num_speculative_tokens: int | None = Field(None, ge=0)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1 disables (vLLM's convention)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    speculative: SpeculativeOptions | Literal["off"] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("at most 4 non-empty stop strings")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v):
+        if v != 0:
+            raise ValueError("penalties are not supported (they change the target distribution); send 0")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Generation):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported by this server")
+        return v
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+
+class RequestError(Exception):
+    """A client error: HTTP `status` with an OpenAI-style body naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(err: ValidationError) -> RequestError:
+    """The first pydantic error as a RequestError naming the field by its dotted path (`messages.0.role`)."""
+    first = err.errors(include_url=False)[0]
+    loc = [str(p) for p in first["loc"]]
+    # Union members add their type name to the path (`speculative.SpeculativeOptions.method`): drop it.
+    loc = [p for p in loc if not (p[:1].isupper() or p.startswith(("str", "list[", "literal[", "function-")))]
+    param = ".".join(loc) or None
+    what = f"{param}: " if param else ""
+    return RequestError(f"{what}{first['msg']} (got {first.get('input')!r})", param=param)
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}", param=None)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None

@@ -1,0 +1,110 @@
+"""Serve a model over an OpenAI-compatible HTTP API with continuous batching and adaptive speculation.
+
+    python scripts/serve.py                      # smollm2-135m, SAM speculation, http://127.0.0.1:8000
+    python scripts/serve.py --policy off         # plain decoding only
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true`), GET /v1/models,
+GET /health, GET /metrics (Prometheus). Beside OpenAI's fields a request may send `top_k`, `min_p`,
+`ignore_eos`, `stop_token_ids` and `speculative` ({"method": "none"|"ngram"|"sam", "num_speculative_tokens": K}
+or "off").
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import jax
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from jaxspec.config import METHOD_DEFAULTS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a named model, a .gguf file or a Hugging Face directory (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as `model` (default: the --model value)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    p.add_argument("--max-slots", type=int, default=8,
+                   help="the most requests decoded at once; more wait in a queue (default: %(default)s)")
+    p.add_argument("--slot-buckets", default=None,
+                   help="comma-separated batch sizes to compile, ending at --max-slots; the engine runs the "
+                        "smallest that holds its requests (default: 1 and multiples of 8)")
+    p.add_argument("--cache-len", type=int, default=2048,
+                   help="KV-cache slots per request: prompt + max_tokens + K + 1 must fit. Attention on CPU "
+                        "reads all of them every step, so keep it near the longest request (default: %(default)s)")
+    p.add_argument("--method", default="sam", choices=["none", "ngram", "sam"],
+                   help="speculation method for requests that do not choose one (default: %(default)s)")
+    p.add_argument("--methods", default="none,ngram,sam",
+                   help="methods compiled in; a request may pick any of them (default: %(default)s)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
+                   help="K, the most draft tokens per request and step (default: the method's, "
+                        f"sam {METHOD_DEFAULTS['sam']['num_speculative_tokens']}, "
+                        f"ngram {METHOD_DEFAULTS['ngram']['num_speculative_tokens']})")
+    p.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "off"],
+                   help="when to speculate: adaptive (by load, switched off where measured slower), fixed "
+                        "(always), off (never) (default: %(default)s)")
+    p.add_argument("--spec-max-active", type=int, default=8,
+                   help="adaptive policy: speculate only while at most this many requests run "
+                        "(default: %(default)s)")
+    p.add_argument("--chunk-steps", type=int, default=8,
+                   help="decode steps between host visits: tokens stream in chunks of this many steps, and "
+                        "new requests join between chunks (default: %(default)s)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests beyond this get HTTP 429 (default: %(default)s)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip compiling every batch size before listening (the first requests then wait)")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds to finish in-flight requests after SIGINT/SIGTERM (default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Compiled programs are reused across restarts (the real model compiles for minutes on a small CPU).
+    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+    import uvicorn
+
+    import jaxspec
+    from jaxspec.engine import Engine, EngineConfig
+    from jaxspec.policy import make_policy
+    from jaxspec.serving import create_app
+
+    try:
+        spec = jaxspec.SpecConfig(method=args.method, num_speculative_tokens=(
+            None if args.method == "none" else args.num_speculative_tokens))
+        buckets = None if args.slot_buckets is None else tuple(int(b) for b in args.slot_buckets.split(","))
+        config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len, spec=spec,
+                              methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+                              chunk_steps=args.chunk_steps, max_waiting=args.max_waiting, slot_buckets=buckets)
+        policy = make_policy(args.policy, max_active=args.spec_max_active)
+        lm = jaxspec.load_model(args.model)
+    except ValueError as e:
+        print(f"serve.py: error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    engine = Engine(lm, config, policy=policy)
+
+    def announce():
+        print(f"jaxspec: serving {name} at http://{args.host}:{args.port} (method {spec.method}, "
+              f"K={config.num_speculative_tokens}, policy {args.policy}, {config.max_slots} slots, "
+              f"cache {config.cache_len})", flush=True)
+
+    app = create_app(engine, served_model_name=name, warmup=not args.no_warmup,
+                     graceful_timeout_s=args.graceful_timeout, on_ready=announce)
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.graceful_timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The OpenAI-compatible server, driven over real HTTP on 127.0.0.1 by the official `openai` client.
+
+One server process (`python scripts/serve.py`, real SmolLM2 weights, real HumanEval prompts) serves the whole
+module; its greedy and seeded outputs must equal offline `jaxspec.generate` token for token, bad input must
+get an HTTP 400 naming the field while the server keeps serving, disconnecting clients must not leak rows,
+and SIGTERM must let an in-flight request finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import jaxspec
+from jaxspec import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m"
+MAX_SLOTS, MAX_WAITING, CACHE_LEN = 8, 16, 512
+STARTUP_TIMEOUT_S = 900  # a cold XLA cache compiles every batch and prompt size first
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--port", str(port), "--max-slots", str(MAX_SLOTS),
+           "--cache-len", str(CACHE_LEN), "--chunk-steps", "4", "--max-waiting", str(MAX_WAITING),
+           "--log-level", "warning"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not start in {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+        time.sleep(1)
+    yield {"url": url, "proc": proc, "log": log}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2):
+    """Offline generation, memoised: (text or ids, max_new_tokens, SamplingParams) -> GenerateResult row."""
+    cache = {}
+
+    def run(prompt, max_new_tokens, sampling=SamplingParams()):
+        key = (prompt if isinstance(prompt, str) else tuple(prompt), max_new_tokens, sampling)
+        if key not in cache:
+            r = jaxspec.generate(smollm2, [prompt], max_new_tokens=max_new_tokens, sampling=sampling)
+            cache[key] = (r.token_ids[0], r.text[0], r.finish_reason[0])
+        return cache[key]
+
+    return run
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[sample.name + (f"{{{label}}}" if label else "")] = sample.value
+    return values
+
+
+def _wait_idle(url: str, timeout: float = 120) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(url)
+        if m["jaxspec_requests_running"] == 0 and m["jaxspec_requests_waiting"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"rows still busy: {m['jaxspec_requests_running']} running"
+        time.sleep(0.5)
+
+
+def test_models_and_health(server, client):
+    assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_greedy_equals_offline(client, offline, humaneval_prompts, smollm2, stream):
+    for prompt in humaneval_prompts[:2]:
+        ids, text, reason = offline(prompt, 32)
+        if stream:
+            chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+            got = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            usage = chunks[-1].usage
+            assert finish == [reason]
+        else:
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+            got, usage = r.choices[0].text, r.usage
+            assert r.choices[0].finish_reason == reason
+        assert got == text
+        assert usage.completion_tokens == len(ids)
+        assert usage.prompt_tokens == len(smollm2.tokenizer.encode(prompt))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_greedy_equals_offline(client, offline, smollm2, stream):
+    messages = [{"role": "system", "content": "You are a concise assistant."},
+                {"role": "user", "content": "Write a Python function that reverses a string."}]
+    prompt = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids, text, reason = offline(prompt, 40)
+    if stream:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        usage = chunks[-1].usage
+    else:
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+        got, usage = r.choices[0].message.content, r.usage
+        assert r.choices[0].finish_reason == reason
+    assert got == text
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(smollm2.tokenizer.encode(prompt)), len(ids))
+
+
+def test_16_concurrent_streaming_clients(server, offline, humaneval_prompts):
+    """Mixed greedy and seeded sampled requests, mixed methods: every one equals its offline run."""
+    settings = []
+    for i in range(16):
+        sampled = i % 3 == 2
+        sampling = SamplingParams(temperature=0.8, top_k=40 if i % 2 else 0, top_p=0.95, seed=1000 + i) \
+            if sampled else SamplingParams()
+        spec = [None, {"method": "ngram"}, {"method": "sam", "num_speculative_tokens": 8}, "off"][i % 4]
+        settings.append((humaneval_prompts[i % 6], 24 + (i % 3) * 8, sampling, spec))
+
+    async def one(aclient, prompt, max_tokens, sampling, spec):
+        extra = {"top_k": int(sampling.top_k)}
+        if spec is not None:
+            extra["speculative"] = spec
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p), seed=int(sampling.seed), stream=True,
+            stream_options={"include_usage": True}, extra_body=extra)
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return text, usage
+
+    async def run_all():
+        aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=600)
+        return await asyncio.gather(*(one(aclient, *s) for s in settings))
+
+    results = asyncio.run(run_all())
+    for (prompt, max_tokens, sampling, _), (text, usage) in zip(settings, results):
+        ids, want, _ = offline(prompt, max_tokens, sampling)
+        assert text == want
+        assert usage.completion_tokens == len(ids)
+    m = _wait_idle(server["url"])
+    assert m["jaxspec_spec_drafted_tokens_total"] > 0
+
+
+def test_stop_strings_and_n(client, offline, humaneval_prompts):
+    prompt = humaneval_prompts[0]
+    ids, text, _ = offline(prompt, 32)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stop=["\n"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.index("\n")]
+    assert 1 <= r.usage.completion_tokens < len(ids)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0.9, seed=7, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 16
+
+
+BAD_INPUTS = [
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10 * CACHE_LEN}, "max_tokens"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "def f(x): " * 400}, "prompt"),
+    ({"model": "gpt-5"}, "model"),
+    ({"speculative": {"method": "eagle"}}, "speculative.method"),
+    ({"speculative": {"num_speculative_tokens": 99}}, "speculative.num_speculative_tokens"),
+    ({"n": 0}, "n"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"min_p": 2}, "min_p"),
+]
+
+
+@pytest.mark.parametrize("change,param", BAD_INPUTS, ids=[p + str(i) for i, (_, p) in enumerate(BAD_INPUTS)])
+def test_bad_input_gets_400_naming_the_field(server, change, param):
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 4, **change}
+    r = httpx.post(server["url"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_bad_input_through_the_openai_client_and_server_keeps_serving(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}], max_tokens=4)
+    assert e.value.param == "messages.0.role"
+    for body in (b"{not json", b"[1, 2]"):
+        r = httpx.post(server["url"] + "/v1/completions", content=body,
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and "error" in r.json()
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+
+
+def test_queue_full_gets_429_and_the_rest_finish(server):
+    async def one(http, i):
+        return await http.post("/v1/completions", json={"model": MODEL, "prompt": f"def f{i}(x):", "max_tokens": 8,
+                                                        "temperature": 0, "ignore_eos": True})
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=600) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(3 * (MAX_SLOTS + MAX_WAITING))))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}
+    assert codes.count(429) >= 1 and codes.count(200) >= MAX_SLOTS
+    refused = next(r for r in responses if r.status_code == 429).json()["error"]
+    assert refused["code"] == "queue_full"
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses if r.status_code == 200)
+    _wait_idle(server["url"])
+
+
+def test_100_disconnects_free_their_rows(server, client):
+    before = _metrics(server["url"]).get('jaxspec_requests_total{finish_reason=abort}', 0.0)
+
+    async def disconnect(http, i):
+        body = {"model": MODEL, "prompt": f"# task {i}\ndef solve(items):", "max_tokens": 200,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return  # leaving the block closes the connection mid-stream
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=600) as http:
+            for start in range(0, 100, MAX_SLOTS):
+                await asyncio.gather(*(disconnect(http, i) for i in range(start, min(start + MAX_SLOTS, 100))))
+
+    asyncio.run(run())
+    m = _wait_idle(server["url"])
+    assert m['jaxspec_requests_total{finish_reason=abort}'] - before == 100
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+
+
+def test_metrics_parse_and_count(server):
+    m = _metrics(server["url"])
+    for name in ("jaxspec_generation_tokens_total", "jaxspec_prompt_tokens_total", "jaxspec_decode_steps_total",
+                 "jaxspec_time_to_first_token_seconds_count", "jaxspec_time_per_output_token_seconds_count",
+                 "jaxspec_decode_step_seconds_count", "jaxspec_batch_occupancy",
+                 "jaxspec_spec_mean_acceptance_length", "jaxspec_spec_accepted_tokens_per_position_total{position=0}"):
+        assert name in m, name
+    assert m["jaxspec_generation_tokens_total"] > 0 and m["jaxspec_time_to_first_token_seconds_count"] > 0
+    assert m["jaxspec_spec_mean_acceptance_length"] >= 1.0
+
+
+def test_sigterm_finishes_the_request_in_flight(server):
+    """Last in the module: it stops the server."""
+    body = {"model": MODEL, "prompt": "def count(n):", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    usage = None
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and server["proc"].poll() is None and usage is None:
+                server["proc"].send_signal(signal.SIGTERM)
+                usage = "sent"
+            if '"usage": {' in line:
+                usage = line
+    assert usage not in (None, "sent") and '"completion_tokens": 48' in usage
+    # uvicorn re-raises the signal once it has shut down gracefully, so the exit status reports SIGTERM.
+    assert server["proc"].wait(120) in (0, -signal.SIGTERM)
+    assert "Traceback" not in server["log"].read_text()
