@@ -19,3 +19,4 @@ bench: install
 	$(PYTHON) -m pip install -q -e ".[bench,peers]"
 	$(PYTHON) scripts/bench.py
 	$(PYTHON) scripts/bench.py --spec --peers
+	$(PYTHON) scripts/bench_serve.py
