@@ -86,11 +86,14 @@ class _SlotsRecord:
 class AdaptivePolicy:
     max_active: int = 8  # speculate only while at most this many rows are active (SEEDS §1)
     full_k_active: int = 1  # up to this many active rows draft the full K; K halves as the count doubles
-    min_chunks: int = 3  # chunks of each kind measured before the rates are compared
-    margin: float = 0.03  # speculation goes off when it measures this fraction slower than plain decoding
+    # Chunk rates vary with the text (how much it repeats) as much as with the step cost, so the guard acts
+    # only on clear evidence: several chunks of each kind, and a loss beyond `margin`. The losses it is for,
+    # wide verification at large batches, are 2-3x (docs/BENCHMARKS.md).
+    min_chunks: int = 6  # chunks of each kind measured before the rates are compared
+    margin: float = 0.10  # speculation goes off when it measures this fraction slower than plain decoding
     smoothing: float = 0.3  # weight of the newest chunk in the moving averages
     probe_interval: int = 16  # chunks of one kind between measurements of the other; doubles after each
-    max_probe_interval: int = 64  # measurement that confirms the current choice
+    max_probe_interval: int = 32  # measurement that confirms the current choice
     _records: dict[int, _SlotsRecord] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
