@@ -111,7 +111,8 @@ class AdaptivePolicy:
         active = np.arange(num_slots + 1)
         doublings = np.ceil(np.log2(np.maximum(active, 1) / self.full_k_active)).clip(min=0)
         caps = np.floor(k / 2.0 ** doublings).astype(np.int32)
-        return np.where(active <= self.max_active, caps, 0).astype(np.int32)
+        # Index 0 (no row active) drafts nothing, so max_active=0 gives an all-zero table.
+        return np.where((active >= 1) & (active <= self.max_active), caps, 0).astype(np.int32)
 
     def _record(self, num_slots: int) -> _SlotsRecord:
         return self._records.setdefault(num_slots, _SlotsRecord(interval=self.probe_interval))
