@@ -561,7 +561,11 @@ class Engine:
         self.metrics.generated_tokens += len(tokens)
         if not done:
             if tokens:
-                live.callback(Output(token_ids=tokens))
+                try:
+                    live.callback(Output(token_ids=tokens))
+                except Exception:  # noqa: BLE001 - one client's callback must not stop the others
+                    log.exception("request %d: callback failed; cancelling it", live.request_id)
+                    self._cancel(live.request_id)
             return
         stopped = bool(tokens) and tokens[-1] in set(live.stop_ids.tolist()) - {-1}
         self._finish(live, tokens, "stop" if stopped else "length")

@@ -1,0 +1,469 @@
+"""The serving engine on the tiny random model: continuous batching must not change what a request gets.
+
+Greedy and seeded requests streamed through the engine (mixed methods, draft budgets and sampling settings in
+one batch, more requests than slots, rows joining and leaving between chunks) must equal offline
+`jaxspec.generate` token for token; stops, token budgets, cancellation, a full queue, validation and shutdown
+are checked at the request level. Offline references decode plainly: greedy and seeded speculative output
+equals plain output (tests/test_speculative.py).
+
+Every engine here uses one configuration (4 slots, buckets 1, 2 and 4, K = 4), so the compiled programs are
+shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import SamplingParams, SpecConfig
+from jaxspec.engine import Engine, EngineConfig, EngineStopped, Output, QueueFull, Request
+from jaxspec.policy import AdaptivePolicy, FixedPolicy, OffPolicy
+
+TIMEOUT_S = 300  # the first request of the module waits for the compiles
+K = 4
+CONFIG = EngineConfig(max_slots=4, cache_len=128, chunk_steps=4, slot_buckets=(1, 2, 4),
+                      spec=SpecConfig(method="sam", num_speculative_tokens=K, min_match=2))
+N = 32  # offline reference length; shorter requests compare against its prefix
+
+# Short repeated patterns (<= 16 tokens: one prefill bucket), so the lookup proposers find matches.
+PROMPTS = [[5, 6, 7, 8] * 3, [10, 11, 12] * 4, [3, 1, 4, 1, 5, 9] * 2, [20, 21] * 7, [30, 31, 32, 33, 34] * 3,
+           [40, 41, 42] * 5, [2, 7, 1, 8, 2, 8] * 2, [50, 60] * 6, [9, 9, 8, 8] * 4, [70, 71, 72, 73] * 2]
+
+
+class Collector:
+    """An Output callback: gathers a request's events and checks the stream's shape as it arrives."""
+
+    def __init__(self, block_at: int | None = None):
+        self.outputs: list[Output] = []
+        self.done = threading.Event()
+        self.errors: list[str] = []
+        self._event = threading.Event()
+        # block_at=i: the engine thread waits in the i-th event's callback until `release()` (or 60 s).
+        self._block_at = block_at
+        self._released = threading.Event()
+
+    def __call__(self, out: Output) -> None:
+        if self.done.is_set():
+            self.errors.append(f"event after the final one: {out}")
+        elif out.finish_reason is None and not out.token_ids:
+            self.errors.append("an empty non-final event")
+        self.outputs.append(out)
+        self._event.set()
+        if out.finish_reason is not None:
+            self.done.set()
+        elif self._block_at is not None and len(self.outputs) == self._block_at + 1:
+            self._released.wait(60)
+
+    def wait_events(self, n: int, timeout: float = TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.outputs) < n and not self.done.is_set():
+            self._event.wait(max(0.0, deadline - time.monotonic()))
+            self._event.clear()
+            assert time.monotonic() < deadline, f"no event {n} within {timeout} s"
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait(self, timeout: float = TIMEOUT_S) -> "Collector":
+        assert self.done.wait(timeout), f"the request did not finish within {timeout} s"
+        assert not self.errors, self.errors
+        return self
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for o in self.outputs for t in o.token_ids]
+
+    @property
+    def final(self) -> Output:
+        assert self.done.is_set()
+        return self.outputs[-1]
+
+
+def run_all(engine: Engine, requests: list[Request]) -> list[Collector]:
+    """Submit every request at once, then wait for all of them."""
+    collectors = [Collector() for _ in requests]
+    for req, c in zip(requests, collectors):
+        engine.submit(req, c)
+    return [c.wait() for c in collectors]
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+_offline_cache: dict = {}
+
+
+def offline(lm, prompt: list[int], sampling: SamplingParams = SamplingParams(), n: int = N) -> list[int]:
+    """`jaxspec.generate` of one prompt alone (cached)."""
+    key = (tuple(prompt), sampling, n)
+    if key not in _offline_cache:
+        _offline_cache[key] = jaxspec.generate(lm, [prompt], max_new_tokens=n, sampling=sampling).token_ids[0]
+    return _offline_cache[key]
+
+
+def device_rows_done(engine: Engine) -> bool:
+    """Whether every row of the device state is finished (read while the engine idles: no chunk donates it)."""
+    return bool(np.asarray(jax.device_get(engine._state.done)).all())
+
+
+def _shutdown(engine: Engine) -> None:
+    engine.shutdown(drain=False, timeout=60)
+    assert engine._thread is None or not engine._thread.is_alive(), "the engine thread did not stop"
+    assert engine.failed is None, f"the engine loop failed: {engine.failed!r}"
+
+
+@pytest.fixture(scope="module")
+def chunk_log():
+    return []
+
+
+@pytest.fixture(scope="module")
+def fixed_engine(tiny_lm, chunk_log):
+    def observe(kind, info):
+        if kind == "chunk":
+            chunk_log.append(info)
+
+    engine = Engine(tiny_lm, CONFIG, policy=FixedPolicy(), observers=[observe]).start(warmup=False)
+    yield engine
+    _shutdown(engine)
+
+
+@pytest.fixture(scope="module")
+def off_engine(tiny_lm):
+    engine = Engine(tiny_lm, CONFIG, policy=OffPolicy()).start(warmup=False)
+    yield engine
+    _shutdown(engine)
+
+
+@pytest.fixture(scope="module")
+def adaptive_engine(tiny_lm):
+    engine = Engine(tiny_lm, CONFIG, policy=AdaptivePolicy()).start(warmup=False)
+    yield engine
+    _shutdown(engine)
+
+
+@pytest.fixture(scope="module")
+def idle_engine(tiny_lm):
+    """Never started: validation needs no thread."""
+    engine = Engine(tiny_lm, CONFIG)
+    yield engine
+    _shutdown(engine)
+
+
+@pytest.fixture
+def fresh_engine(tiny_lm):
+    """A new engine of the shared configuration, not started (tests start it when they need to)."""
+    engines = []
+
+    def make(config: EngineConfig = CONFIG, policy=None, observers=()) -> Engine:
+        engines.append(Engine(tiny_lm, config, policy=policy or FixedPolicy(), observers=observers))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        _shutdown(engine)
+
+
+def _mixed_requests(prompts, max_tokens=N):
+    """Methods none/ngram/sam and budgets 0..4 (None: the engine's K) in one batch."""
+    methods = ["none", "ngram", "sam"]
+    budgets = [0, 1, 2, 3, 4, None]
+    return [Request(p, max_tokens, method=methods[i % 3], num_speculative_tokens=budgets[i % 6])
+            for i, p in enumerate(prompts)]
+
+
+# ---------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("engine_name", ["fixed_engine", "off_engine", "adaptive_engine"])
+def test_greedy_mixed_methods_and_budgets_equal_offline(tiny_lm, request, engine_name):
+    engine: Engine = request.getfixturevalue(engine_name)
+    prompts = PROMPTS[:6]
+    requests = _mixed_requests(prompts)
+    drafted0, accepted0 = engine.metrics.drafted, engine.metrics.accepted
+    results = run_all(engine, requests)
+    for i, (req, c) in enumerate(zip(requests, results)):
+        assert c.tokens == offline(tiny_lm, req.prompt_ids), f"request {i} ({req.method}, K={req.num_speculative_tokens})"
+        assert c.final.finish_reason == "length"
+        stats = c.final.stats
+        # A row never drafts more than its own budget per step, and a plain row drafts nothing.
+        budget = 0 if req.method == "none" else (K if req.num_speculative_tokens is None else req.num_speculative_tokens)
+        assert 0 <= stats.accepted <= stats.drafted <= budget * stats.steps
+        assert stats.steps <= N - 1  # the first token comes from the prefill
+    drafted, accepted = engine.metrics.drafted - drafted0, engine.metrics.accepted - accepted0
+    if engine_name == "fixed_engine":
+        assert drafted > 0 and accepted > 0
+        assert sum(c.final.stats.drafted for c in results) == drafted
+    if engine_name == "off_engine":
+        assert drafted == 0
+        assert not engine.metrics.speculating
+    # The gauges are updated on the engine thread right after the final callbacks.
+    assert wait_until(lambda: engine.num_active == 0 and engine.metrics.requests_running == 0
+                      and engine.metrics.requests_waiting == 0)
+
+
+def test_seeded_sampling_equals_offline(tiny_lm, fixed_engine):
+    samplings = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=0.8, top_k=5, seed=12),
+                 SamplingParams(temperature=0.8, top_p=0.9, seed=13), SamplingParams(),
+                 SamplingParams(temperature=0.8, top_k=20, top_p=0.8, min_p=0.02, seed=14),
+                 SamplingParams(temperature=0.8, seed=11)]  # the same seed as the first, another prompt
+    prompts = PROMPTS[:5] + [PROMPTS[7]]
+    methods = ["sam", "ngram", "none", "sam", "sam", "ngram"]
+    requests = [Request(p, N, sampling=s, method=m) for p, s, m in zip(prompts, samplings, methods)]
+    results = run_all(fixed_engine, requests)
+    for i, (req, c) in enumerate(zip(requests, results)):
+        assert c.tokens == offline(tiny_lm, req.prompt_ids, req.sampling), f"request {i} ({req.sampling})"
+    # The seed, not the batch, decides: the same request again gives the same tokens.
+    again = run_all(fixed_engine, requests[:1])[0]
+    assert again.tokens == results[0].tokens
+
+
+def test_more_requests_than_slots(tiny_lm, fixed_engine, chunk_log):
+    """10 requests on 4 slots, of different lengths: rows join and leave between chunks and the state grows
+    and shrinks between the buckets, without changing any output."""
+    chunk_log.clear()
+    prompts = PROMPTS[:10]
+    # The last request (plain: 4 tokens a chunk) outlives the others by chunks, so the state shrinks to 1 row.
+    requests = [dataclasses.replace(r, max_tokens=6 + 2 * i if i < 9 else N)
+                for i, r in enumerate(_mixed_requests(prompts))]
+    assert requests[-1].method == "none"
+    results = run_all(fixed_engine, requests)
+    for i, (req, c) in enumerate(zip(requests, results)):
+        assert c.tokens == offline(tiny_lm, req.prompt_ids)[: req.max_tokens], f"request {i}"
+        assert c.final.finish_reason == "length"
+    slots = {info["slots"] for info in chunk_log}
+    assert {1, 4} <= slots, slots  # regrouped up to 4 rows, and back down to 1 for the last request
+    assert max(info["active"] for info in chunk_log) == 4
+    assert all(info["active"] <= info["slots"] for info in chunk_log)
+    assert wait_until(lambda: len(fixed_engine._slots) == 1)
+    assert wait_until(lambda: fixed_engine.num_active == 0 and fixed_engine.metrics.requests_waiting == 0)
+
+
+def test_regroup_moves_live_rows(tiny_lm, fresh_engine):
+    """Deterministic regroups of several live rows: queued before the start, three requests grow the state
+    1 -> 2 -> 4 rows (keeping 1, then 2 rows); when the short first one ends, the state shrinks to 2 rows
+    keeping rows 1 and 2 (moved to 0 and 1) mid-generation. Outputs must not notice."""
+    chunks = []
+    engine = fresh_engine(observers=[lambda kind, info: chunks.append(info) if kind == "chunk" else None])
+    requests = [Request(PROMPTS[0], 6, method="none"), Request(PROMPTS[1], 40, method="sam"),
+                Request(PROMPTS[3], 40, method="ngram", num_speculative_tokens=2)]
+    collectors = [Collector() for _ in requests]
+    for req, c in zip(requests, collectors):
+        engine.submit(req, c)
+    engine.start(warmup=False)
+    for req, c in zip(requests, collectors):
+        assert c.wait().tokens == offline(tiny_lm, req.prompt_ids, n=req.max_tokens)
+    slots = [info["slots"] for info in chunks]
+    assert slots[0] == 4 and 2 in slots, slots
+    assert [info["active"] for info in chunks if info["slots"] == 4][0] == 3
+
+
+def test_context_limit_request_equals_offline(tiny_lm, fixed_engine):
+    """A request that fills the context exactly (prompt + max_tokens = max_context), beside drafting rows."""
+    prompt = PROMPTS[1]
+    n = CONFIG.max_context - len(prompt)
+    fixed_engine.validate(Request(prompt, n))
+    requests = [Request(prompt, n), Request(PROMPTS[0], N, method="sam"), Request(PROMPTS[3], N, method="ngram")]
+    results = run_all(fixed_engine, requests)
+    assert results[0].tokens == offline(tiny_lm, prompt, n=n)
+    assert len(results[0].tokens) == n and results[0].final.finish_reason == "length"
+    for req, c in zip(requests[1:], results[1:]):
+        assert c.tokens == offline(tiny_lm, req.prompt_ids)
+
+
+# ---------------------------------------------------------------------- stops and budgets
+
+
+@pytest.mark.parametrize("method", ["sam", "none"])
+def test_finish_length_after_exactly_max_tokens(tiny_lm, fixed_engine, method):
+    for max_tokens in (2, 7, 13):
+        c = run_all(fixed_engine, [Request(PROMPTS[0], max_tokens, method=method)])[0]
+        assert c.tokens == offline(tiny_lm, PROMPTS[0])[:max_tokens]
+        assert c.final.finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", ["sam", "ngram", "none"])
+def test_finish_stop_on_a_stop_token(tiny_lm, fixed_engine, method):
+    for prompt in (PROMPTS[0], PROMPTS[2], PROMPTS[6]):
+        ref = offline(tiny_lm, prompt)
+        stop = ref[2]  # the 3rd token: it is produced
+        unused = next(t for t in range(96, 0, -1) if t not in ref)  # a second stop id that never comes
+        c = run_all(fixed_engine, [Request(prompt, N, method=method, stop_token_ids=(unused, stop))])[0]
+        expected = ref[: ref.index(stop) + 1]
+        assert c.tokens == expected
+        assert c.final.finish_reason == "stop"
+        assert c.tokens[-1] == stop and stop not in c.tokens[:-1]
+
+
+def test_stop_at_the_first_token(tiny_lm, fixed_engine):
+    ref = offline(tiny_lm, PROMPTS[4])
+    c = run_all(fixed_engine, [Request(PROMPTS[4], N, stop_token_ids=(ref[0],))])[0]
+    assert c.tokens == ref[:1] and c.final.finish_reason == "stop"
+    assert len(c.outputs) == 1  # finished at admission: one event
+    assert wait_until(lambda: fixed_engine.num_active == 0)
+
+
+def test_max_tokens_1_finishes_at_admission(tiny_lm, fixed_engine):
+    results = run_all(fixed_engine, [Request(p, 1, method="sam") for p in PROMPTS[:3]])
+    for p, c in zip(PROMPTS[:3], results):
+        assert c.tokens == offline(tiny_lm, p)[:1]
+        assert c.final.finish_reason == "length"
+        assert len(c.outputs) == 1 and c.final.stats.steps == 0
+    assert wait_until(lambda: fixed_engine.num_active == 0)
+
+
+# ---------------------------------------------------------------------- cancellation
+
+
+def test_cancellation_frees_the_row(tiny_lm, fixed_engine):
+    """20 requests cancelled in flight, each after its 1st, 2nd or 3rd event: every one ends "cancelled"
+    with a prefix of its offline output, no row leaks, and the engine still serves correctly."""
+    for i in range(20):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        # The engine thread waits inside the chosen event's callback until the cancel is in: deterministic.
+        c = Collector(block_at=i % 3)
+        handle = fixed_engine.submit(Request(prompt, 100, method=["sam", "ngram", "none"][i % 3]), c)
+        c.wait_events(i % 3 + 1)
+        handle.cancel()
+        c.release()
+        c.wait()
+        assert c.final.finish_reason == "cancelled", i
+        assert c.final.token_ids == []
+        assert 1 <= len(c.tokens) < 100
+        assert c.tokens == offline(tiny_lm, prompt, n=100)[: len(c.tokens)], i
+        assert wait_until(lambda: fixed_engine.num_active == 0), f"a slot leaked after cancellation {i}"
+        # The cancelled row stops on the device too (else it would keep decoding, and widening steps, unseen).
+        assert wait_until(lambda: device_rows_done(fixed_engine)), f"row {i} still decodes after its cancellation"
+        handle.cancel()  # cancelling a finished request is harmless
+    assert wait_until(lambda: fixed_engine.metrics.requests_running == 0 and fixed_engine.metrics.requests_waiting == 0)
+    c = run_all(fixed_engine, [Request(PROMPTS[1], N, method="sam")])[0]
+    assert c.tokens == offline(tiny_lm, PROMPTS[1]) and c.final.finish_reason == "length"
+
+
+def test_cancel_a_waiting_request(tiny_lm, fresh_engine):
+    engine = fresh_engine()  # not started: requests wait
+    cancelled, kept = Collector(), Collector()
+    engine.submit(Request(PROMPTS[0], N), cancelled).cancel()
+    engine.submit(Request(PROMPTS[2], N), kept)
+    engine.start(warmup=False)
+    cancelled.wait()
+    assert cancelled.final.finish_reason == "cancelled" and cancelled.tokens == []
+    assert kept.wait().tokens == offline(tiny_lm, PROMPTS[2])
+
+
+def test_a_failing_callback_does_not_stop_the_others(tiny_lm):
+    engine = Engine(tiny_lm, CONFIG, policy=FixedPolicy())
+
+    def failing(out: Output) -> None:
+        raise RuntimeError("this client went away")
+
+    good = Collector()
+    engine.submit(Request(PROMPTS[0], N), good)
+    engine.submit(Request(PROMPTS[1], N), failing)
+    engine.start(warmup=False)
+    try:
+        good.wait()
+        assert good.final.finish_reason == "length" and good.tokens == offline(tiny_lm, PROMPTS[0])
+        assert engine.failed is None
+    finally:
+        engine.shutdown(drain=False, timeout=60)
+
+
+# ---------------------------------------------------------------------- queue, validation, shutdown
+
+
+def test_queue_full(tiny_lm, fresh_engine):
+    engine = fresh_engine(dataclasses.replace(CONFIG, max_waiting=1))
+    first = Collector()
+    engine.submit(Request(PROMPTS[0], N), first)  # not started: it waits
+    with pytest.raises(QueueFull, match="max_waiting=1"):
+        engine.submit(Request(PROMPTS[1], N), Collector())
+    assert engine.metrics.requests_waiting == 1
+    engine.start(warmup=False)
+    assert first.wait().tokens == offline(tiny_lm, PROMPTS[0])
+    # Once the queue drained the engine takes requests again.
+    assert run_all(engine, [Request(PROMPTS[1], N)])[0].tokens == offline(tiny_lm, PROMPTS[1])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt_ids=[]), "prompt is empty"),
+    (dict(prompt_ids=[1, 97, 3]), "token id 97"),
+    (dict(prompt_ids=[1, -1]), "token id -1"),
+    (dict(prompt_ids=[1] * CONFIG.max_context), f"prompt has {CONFIG.max_context} tokens"),
+    (dict(max_tokens=0), "max_tokens=0"),
+    (dict(max_tokens=2.0), "max_tokens=2.0"),
+    (dict(max_tokens=CONFIG.max_context - 9), f"max_tokens={CONFIG.max_context - 9}"),
+    (dict(method="draft_model"), "method='draft_model'"),
+    (dict(method="bogus"), "method='bogus'"),
+    (dict(num_speculative_tokens=K + 1), f"num_speculative_tokens={K + 1}"),
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens=-1"),
+    (dict(num_speculative_tokens=True), "num_speculative_tokens=True"),
+    (dict(stop_token_ids=(97,)), "id 97"),
+    (dict(stop_token_ids=tuple(range(9))), "stop_token_ids has 9 ids"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_validate_names_the_bad_value(idle_engine, kwargs, match):
+    engine = idle_engine
+    req = Request(**{**dict(prompt_ids=[1] * 10, max_tokens=8), **kwargs})
+    with pytest.raises(ValueError, match=match):
+        engine.validate(req)
+    with pytest.raises(ValueError, match=match):
+        engine.submit(req, Collector())
+    assert engine.metrics.requests_waiting == 0 and not engine._waiting
+    # The limits themselves are allowed.
+    engine.validate(Request([1] * 10, CONFIG.max_context - 10, num_speculative_tokens=K, stop_token_ids=tuple(range(8))))
+    engine.validate(Request([96], 1, num_speculative_tokens=0, method="none"))
+
+
+def test_unserved_method_is_refused(tiny_lm):
+    config = dataclasses.replace(CONFIG, methods=("none", "sam"))
+    engine = Engine(tiny_lm, config)
+    with pytest.raises(ValueError, match="method='ngram' is not served"):
+        engine.validate(Request([1, 2, 3], 4, method="ngram"))
+    engine.validate(Request([1, 2, 3], 4, method="none"))
+
+
+def test_shutdown_without_drain_cancels_in_flight_and_waiting(tiny_lm, fresh_engine):
+    engine = fresh_engine().start(warmup=False)
+    running = Collector(block_at=0)
+    engine.submit(Request(PROMPTS[0], 100), running)
+    running.wait_events(1)  # admitted; the engine thread waits in the callback
+    waiting = Collector()
+    engine.submit(Request(PROMPTS[1], N), waiting)
+    engine.shutdown(drain=False, timeout=0)
+    running.release()
+    engine.shutdown(drain=False, timeout=60)
+    assert not engine._thread.is_alive()
+    for c in (running.wait(1), waiting.wait(1)):
+        assert c.final.finish_reason == "cancelled"
+    assert 1 <= len(running.tokens) < 100
+    assert running.tokens == offline(tiny_lm, PROMPTS[0], n=100)[: len(running.tokens)]
+    assert waiting.tokens == []
+    with pytest.raises(EngineStopped):
+        engine.submit(Request(PROMPTS[0], 4), Collector())
+
+
+def test_shutdown_with_drain_finishes_in_flight_requests(tiny_lm, fresh_engine):
+    engine = fresh_engine()
+    collectors = [Collector() for _ in range(6)]  # more than the slots: some still wait at shutdown
+    for i, c in enumerate(collectors):
+        engine.submit(Request(PROMPTS[i], 10), c)
+    engine.start(warmup=False)
+    engine.shutdown(drain=True, timeout=TIMEOUT_S)
+    assert not engine._thread.is_alive()
+    for i, c in enumerate(collectors):
+        c.wait(1)
+        assert c.final.finish_reason == "length" and c.tokens == offline(tiny_lm, PROMPTS[i])[:10]
+    with pytest.raises(EngineStopped):
+        engine.submit(Request(PROMPTS[0], 4), Collector())
