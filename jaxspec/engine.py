@@ -221,6 +221,7 @@ class Engine:
         self._slots: list[_Live | None] = []
         self._state: DecodeState | None = None
         self._empty_row: DecodeState | None = None
+        self._steps_read = 0  # the loop's step counter at the last read (a regroup keeps the larger state's)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._drain = True
@@ -403,7 +404,8 @@ class Engine:
         if self._state is not None and len(self._slots) == n and keep == list(range(len(keep))):
             return
         if self._state is None or not keep:
-            self._state = self._empty_state(n)
+            self._state = self._empty_state(n)  # its step counter starts at 0
+            self._steps_read = 0
         else:
             self._state = _regroup(self._state, self._empty_state(n), jnp.asarray(keep, jnp.int32))
         self._slots = [self._slots[i] for i in keep] + [None] * (n - len(keep))
@@ -517,7 +519,6 @@ class Engine:
         caps = np.zeros((self.config.max_slots + 1,), np.int32)
         caps[: n + 1] = self.policy.draft_caps(n, self.k)
         t0 = time.perf_counter()
-        steps_before = int(jax.device_get(self._state.steps))
         state = self._run_chunk(caps)
         host = jax.device_get({"history": state.history, "history_len": state.history_len, "done": state.done,
                                "prompt_len": state.prompt_len, "steps": state.steps,
@@ -525,7 +526,8 @@ class Engine:
                                "accepted": state.counters.accepted, "drafted_at": state.counters.drafted_at,
                                "accepted_at": state.counters.accepted_at})
         seconds = time.perf_counter() - t0
-        steps = int(host["steps"]) - steps_before
+        steps = int(host["steps"]) - self._steps_read
+        self._steps_read = int(host["steps"])
         committed = 0
         for i, live in enumerate(self._slots):
             if live is None:

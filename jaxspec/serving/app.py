@@ -236,6 +236,53 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
         if failed:
             raise RequestError(f"the engine failed: {failed[0].error}", status=500, type="server_error")
 
+    async def respond(request: HTTPRequest, body, choices: list[_Choice], prompt_tokens: int, arrived: float, *,
+                      chat: bool):
+        """The response in OpenAI's completion or chat format: server-sent chunks when `body.stream`, else one body."""
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+        def envelope(obj: str, choice_list: list, **extra) -> dict:
+            return {"id": rid, "object": obj, "created": int(time.time()), "model": served_model_name,
+                    "choices": choice_list, **extra}
+
+        if body.stream:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+
+            def piece_choice(c: _Choice, piece: str, finish: str | None) -> dict:
+                text = {"delta": {"content": piece} if piece else {}} if chat else {"text": piece}
+                return {"index": c.index, **text, "logprobs": None, "finish_reason": finish}
+
+            async def events():
+                try:
+                    if chat:  # OpenAI opens each choice with its role
+                        for c in choices:
+                            yield sse(envelope(obj, [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}]))
+                    async for c, piece in merged(choices):
+                        done = piece == "" and c.finish_reason is not None
+                        if piece or done:
+                            yield sse(envelope(obj, [piece_choice(c, piece, c.finish_reason if done else None)]))
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield sse(envelope(obj, [], usage=usage(prompt_tokens, choices)))
+                    yield "data: [DONE]\n\n"
+                finally:
+                    record(arrived, choices)
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        try:
+            texts = await collect(request, choices)
+        finally:
+            record(arrived, choices)
+        check_errors(choices)
+
+        def final_choice(c: _Choice) -> dict:
+            text = {"message": {"role": "assistant", "content": texts[c.index]}} if chat else {"text": texts[c.index]}
+            return {"index": c.index, **text, "logprobs": None, "finish_reason": c.finish_reason}
+
+        return envelope("chat.completion" if chat else "text_completion", [final_choice(c) for c in choices],
+                        usage=usage(prompt_tokens, choices))
+
     # ------------------------------------------------------------------ routes
 
     @app.get("/health")
@@ -271,36 +318,7 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
             requests += engine_requests(body, ids, "prompt", 16)
         choices = submit(requests, body.stop_strings)
         prompt_tokens = sum(len(ids) for ids in ids_list)
-        rid, model = f"cmpl-{uuid.uuid4().hex}", served_model_name
-
-        if body.stream:
-            async def events():
-                try:
-                    async for c, piece in merged(choices):
-                        done = piece == "" and c.finish_reason is not None
-                        if piece or done:
-                            yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                                       "model": model, "choices": [{"index": c.index, "text": piece,
-                                                                    "logprobs": None,
-                                                                    "finish_reason": c.finish_reason if done else None}]})
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield sse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                                   "model": model, "choices": [], "usage": usage(prompt_tokens, choices)})
-                    yield "data: [DONE]\n\n"
-                finally:
-                    record(arrived, choices)
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        try:
-            texts = await collect(request, choices)
-        finally:
-            record(arrived, choices)
-        check_errors(choices)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": c.index, "text": texts[c.index], "logprobs": None,
-                             "finish_reason": c.finish_reason} for c in choices],
-                "usage": usage(prompt_tokens, choices)}
+        return await respond(request, body, choices, prompt_tokens, arrived, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
@@ -317,41 +335,6 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
             raise RequestError(f"messages: {e}", param="messages") from None
         ids = encode(text, "messages")
         choices = submit(engine_requests(body, ids, "messages", None), body.stop_strings)
-        rid, model = f"chatcmpl-{uuid.uuid4().hex}", served_model_name
-
-        if body.stream:
-            async def events():
-                try:
-                    for c in choices:
-                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                                   "model": model, "choices": [{"index": c.index, "delta": {"role": "assistant",
-                                                                                            "content": ""},
-                                                                "logprobs": None, "finish_reason": None}]})
-                    async for c, piece in merged(choices):
-                        done = piece == "" and c.finish_reason is not None
-                        if piece or done:
-                            delta = {"content": piece} if piece else {}
-                            yield sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                                       "model": model, "choices": [{"index": c.index, "delta": delta,
-                                                                    "logprobs": None,
-                                                                    "finish_reason": c.finish_reason if done else None}]})
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                                   "model": model, "choices": [], "usage": usage(len(ids), choices)})
-                    yield "data: [DONE]\n\n"
-                finally:
-                    record(arrived, choices)
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        try:
-            texts = await collect(request, choices)
-        finally:
-            record(arrived, choices)
-        check_errors(choices)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
-                             "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
-                "usage": usage(len(ids), choices)}
+        return await respond(request, body, choices, len(ids), arrived, chat=True)
 
     return app
