@@ -63,13 +63,24 @@ class OffPolicy:
 
 @dataclasses.dataclass
 class _Arm:
-    """Exponential moving average of tokens per second for one way of running one batch size."""
+    """Tokens per second for one way of running one batch size: decayed sums of tokens and of seconds.
 
-    rate: float | None = None
+    A ratio of sums, not an average of per-chunk rates: a chunk's rate swings with the text (a stretch that
+    repeats commits many drafts, one that does not commits none), so a rate must cover many chunks, and long
+    chunks must weigh by their length.
+    """
+
+    tokens: float = 0.0
+    seconds: float = 0.0
     chunks: int = 0
 
-    def add(self, tokens_per_s: float, smoothing: float) -> None:
-        self.rate = tokens_per_s if self.rate is None else (1 - smoothing) * self.rate + smoothing * tokens_per_s
+    @property
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+    def add(self, tokens: float, seconds: float, smoothing: float) -> None:
+        self.tokens = (1 - smoothing) * self.tokens + tokens
+        self.seconds = (1 - smoothing) * self.seconds + seconds
         self.chunks += 1
 
 
@@ -90,8 +101,12 @@ class AdaptivePolicy:
     # only on clear evidence: several chunks of each kind, and a loss beyond `margin`. The losses it is for,
     # wide verification at large batches, are 2-3x (docs/BENCHMARKS.md).
     min_chunks: int = 6  # chunks of each kind measured before the rates are compared
-    margin: float = 0.10  # speculation goes off when it measures this fraction slower than plain decoding
-    smoothing: float = 0.3  # weight of the newest chunk in the moving averages
+    # Speculation goes off when it measures this fraction slower than plain decoding with one active row;
+    # margin / sqrt(active) with more: the text's burstiness (a stretch that repeats commits many drafts, one
+    # that does not commits none) averages out over independent rows, and large batches are where the real
+    # losses are.
+    margin: float = 0.25
+    smoothing: float = 0.05  # decay per chunk of the rate sums (a window of about 20 chunks)
     probe_interval: int = 16  # chunks of one kind between measurements of the other; doubles after each
     max_probe_interval: int = 32  # measurement that confirms the current choice
     _records: dict[int, _SlotsRecord] = dataclasses.field(default_factory=dict, repr=False)
@@ -137,16 +152,16 @@ class AdaptivePolicy:
             return  # this batch size never speculates: nothing to learn
         record = self._record(report.num_slots)
         # Per active row: a chunk's tokens grow with the rows running, whatever the kind of step.
-        rate = report.tokens / report.seconds / report.active
         speculative = report.max_cap > 0
-        (record.speculative if speculative else record.plain).add(rate, self.smoothing)
+        (record.speculative if speculative else record.plain).add(report.tokens / report.active, report.seconds,
+                                                                  self.smoothing)
         minority = speculative == record.off  # the kind run only to measure it
         record.since_switch = 0 if minority else record.since_switch + 1
         spec, plain = record.speculative, record.plain
         if spec.chunks < self.min_chunks or plain.chunks < self.min_chunks:
             return
         # On a tie speculation stays on: it costs nothing then, and pays as soon as the text starts repeating.
-        off = spec.rate < plain.rate * (1 - self.margin)
+        off = spec.rate < plain.rate * (1 - self.margin / np.sqrt(report.active))
         if minority:
             # A measurement of the other kind: a confirmed choice is checked less often, a changed one resets.
             record.interval = (min(2 * record.interval, self.max_probe_interval) if off == record.off
