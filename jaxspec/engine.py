@@ -517,7 +517,7 @@ class Engine:
         n = len(self._slots)
         active = self.num_active
         caps = np.zeros((self.config.max_slots + 1,), np.int32)
-        caps[: n + 1] = self.policy.draft_caps(n, self.k)
+        caps[: n + 1] = self.policy.draft_caps(n, self.k, waiting=len(self._waiting))
         t0 = time.perf_counter()
         state = self._run_chunk(caps)
         host = jax.device_get({"history": state.history, "history_len": state.history_len, "done": state.done,

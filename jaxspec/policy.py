@@ -8,8 +8,8 @@ step (rows finishing inside a chunk move the index), and learns from what each c
 
 - `FixedPolicy`: the full K whatever the load.
 - `OffPolicy`: never speculate.
-- `AdaptivePolicy` (the default): speculate only while at most `max_active` rows run (8, as in SEEDS §1),
-  halving K each time the active rows double, and switch speculation off in a batch size where it measured
+- `AdaptivePolicy` (the default): speculate only while at most `max_active` requests are in flight (8, as
+  in SEEDS §1; the active rows plus the engine's queue), halving K each time that load doubles, and switch speculation off in a batch size where it measured
   slower than plain decoding (tokens per second per active row over whole chunks, both kinds timed in the
   same server), trying it again after an interval that doubles each time the measurement confirms the loss.
 """
@@ -32,8 +32,9 @@ class ChunkReport:
 
 
 class SpeculationPolicy(Protocol):
-    def draft_caps(self, num_slots: int, k: int) -> np.ndarray:
-        """i32[num_slots + 1]: the most drafts per row while a rows are active (index a)."""
+    def draft_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
+        """i32[num_slots + 1]: the most drafts per row while a rows are active (index a) and `waiting`
+        requests queue for a free row."""
         ...
 
     def observe(self, report: ChunkReport) -> None: ...
@@ -43,7 +44,7 @@ class SpeculationPolicy(Protocol):
 class FixedPolicy:
     """Always draft up to K per row."""
 
-    def draft_caps(self, num_slots: int, k: int) -> np.ndarray:
+    def draft_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
         return np.full((num_slots + 1,), k, np.int32)
 
     def observe(self, report: ChunkReport) -> None:
@@ -54,7 +55,7 @@ class FixedPolicy:
 class OffPolicy:
     """Never draft: every step is a plain decode step."""
 
-    def draft_caps(self, num_slots: int, k: int) -> np.ndarray:
+    def draft_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
         return np.zeros((num_slots + 1,), np.int32)
 
     def observe(self, report: ChunkReport) -> None:
@@ -121,13 +122,16 @@ class AdaptivePolicy:
         if self.min_chunks < 1 or self.probe_interval < 1:
             raise ValueError(f"min_chunks={self.min_chunks!r} and probe_interval={self.probe_interval!r} must be >= 1")
 
-    def static_caps(self, num_slots: int, k: int) -> np.ndarray:
-        """The load rule alone: K up to `full_k_active` rows, halved per doubling, 0 past `max_active`."""
+    def static_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
+        """The load rule alone: K up to `full_k_active` requests in flight, halved per doubling, 0 past
+        `max_active`. In flight = the active rows (the table's index) plus the requests waiting for a row:
+        a queue means the server is saturated, and every drafted token then costs another request's time."""
         active = np.arange(num_slots + 1)
-        doublings = np.ceil(np.log2(np.maximum(active, 1) / self.full_k_active)).clip(min=0)
+        load = active + waiting
+        doublings = np.ceil(np.log2(np.maximum(load, 1) / self.full_k_active)).clip(min=0)
         caps = np.floor(k / 2.0 ** doublings).astype(np.int32)
         # Index 0 (no row active) drafts nothing, so max_active=0 gives an all-zero table.
-        return np.where((active >= 1) & (active <= self.max_active), caps, 0).astype(np.int32)
+        return np.where((active >= 1) & (load <= self.max_active), caps, 0).astype(np.int32)
 
     def _record(self, num_slots: int) -> _SlotsRecord:
         return self._records.setdefault(num_slots, _SlotsRecord(interval=self.probe_interval))
@@ -139,8 +143,8 @@ class AdaptivePolicy:
         due = record.since_switch >= record.interval
         return not due if record.off else due
 
-    def draft_caps(self, num_slots: int, k: int) -> np.ndarray:
-        caps = self.static_caps(num_slots, k)
+    def draft_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
+        caps = self.static_caps(num_slots, k, waiting)
         if caps.any() and self._measure_plain_next(self._record(num_slots)):
             return np.zeros_like(caps)
         return caps

@@ -61,6 +61,15 @@ def test_static_caps_full_k_active_and_max_active():
         assert np.all(np.diff(c[1:]) <= 0)  # never more drafts with more rows
 
 
+def test_waiting_requests_count_as_load():
+    """A queue means the server is saturated: with 8 slots full and requests waiting, nothing is drafted."""
+    p = AdaptivePolicy()
+    assert p.static_caps(8, 8, waiting=0).tolist() == [0, 8, 4, 2, 2, 1, 1, 1, 1]
+    assert p.static_caps(8, 8, waiting=1).tolist() == [0, 4, 2, 2, 1, 1, 1, 1, 0]
+    assert p.draft_caps(8, 8, waiting=8).tolist() == [0] * 9
+    assert p.draft_caps(8, 8, waiting=56).tolist() == [0] * 9
+
+
 @pytest.mark.parametrize("num_slots", [1, 2, 8, 16, 64])
 def test_static_caps_table_length(num_slots):
     for p in (AdaptivePolicy(), FixedPolicy(), OffPolicy()):
