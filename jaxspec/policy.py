@@ -8,8 +8,8 @@ step (rows finishing inside a chunk move the index), and learns from what each c
 
 - `FixedPolicy`: the full K whatever the load.
 - `OffPolicy`: never speculate.
-- `AdaptivePolicy` (the default): speculate only while at most `max_active` requests are in flight (8, as
-  in SEEDS §1; the active rows plus the engine's queue), halving K each time that load doubles, and switch speculation off in a batch size where it measured
+- `AdaptivePolicy` (the default): speculate only while at most `max_active` requests are in flight (the
+  active rows plus the engine's queue; 4 on this CPU, SEEDS §1 uses 8), halving K each time that load doubles, and switch speculation off in a batch size where it measured
   slower than plain decoding (tokens per second per active row over whole chunks, both kinds timed in the
   same server), trying it again after an interval that doubles each time the measurement confirms the loss.
 """
@@ -96,7 +96,10 @@ class _SlotsRecord:
 
 @dataclasses.dataclass
 class AdaptivePolicy:
-    max_active: int = 8  # speculate only while at most this many rows are active (SEEDS §1)
+    # Speculate only while at most this many requests are in flight. SEEDS §1 switches at 8 on NPUs; here a
+    # verify step over 8 rows costs 2.7x a plain one already at width 9 (docs/BENCHMARKS.md c(T)), and
+    # always-on speculation at 8 busy rows served 0.72x of plain decoding (bench_serve.py), so 4.
+    max_active: int = 4
     full_k_active: int = 1  # up to this many active rows draft the full K; K halves as the count doubles
     # Chunk rates vary with the text (how much it repeats) as much as with the step cost, so the guard acts
     # only on clear evidence: several chunks of each kind, and a loss beyond `margin`. The losses it is for,
@@ -178,7 +181,7 @@ class AdaptivePolicy:
         return record is None or not record.off
 
 
-def make_policy(name: str, *, max_active: int = 8) -> SpeculationPolicy:
+def make_policy(name: str, *, max_active: int = 4) -> SpeculationPolicy:
     """The policy a server option names: "adaptive", "fixed" or "off"."""
     if name == "adaptive":
         return AdaptivePolicy(max_active=max_active)

@@ -48,9 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "off"],
                    help="when to speculate: adaptive (by load, switched off where measured slower), fixed "
                         "(always), off (never) (default: %(default)s)")
-    p.add_argument("--spec-max-active", type=int, default=8,
-                   help="adaptive policy: speculate only while at most this many requests run "
-                        "(default: %(default)s)")
+    p.add_argument("--spec-max-active", type=int, default=4,
+                   help="adaptive policy: speculate only while at most this many requests are in flight "
+                        "(running or queued) (default: %(default)s)")
     p.add_argument("--chunk-steps", type=int, default=8,
                    help="decode steps between host visits: tokens stream in chunks of this many steps, and "
                         "new requests join between chunks (default: %(default)s)")

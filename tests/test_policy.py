@@ -39,7 +39,7 @@ def _gaps(kinds: list[bool], start: int) -> list[int]:
 
 
 def test_static_caps_full_k_then_halving_then_off():
-    caps = AdaptivePolicy().static_caps(16, 8)  # max_active=8, full_k_active=1
+    caps = AdaptivePolicy(max_active=8).static_caps(16, 8)  # full_k_active=1
     assert caps.dtype == np.int32 and caps.shape == (17,)
     # active:           0  1  2  3  4  5  6  7  8  9 .. 16
     assert caps.tolist() == [0, 8, 4, 2, 2, 1, 1, 1, 1] + [0] * 8  # index 0: no row active
@@ -63,7 +63,7 @@ def test_static_caps_full_k_active_and_max_active():
 
 def test_waiting_requests_count_as_load():
     """A queue means the server is saturated: with 8 slots full and requests waiting, nothing is drafted."""
-    p = AdaptivePolicy()
+    p = AdaptivePolicy(max_active=8)
     assert p.static_caps(8, 8, waiting=0).tolist() == [0, 8, 4, 2, 2, 1, 1, 1, 1]
     assert p.static_caps(8, 8, waiting=1).tolist() == [0, 4, 2, 2, 1, 1, 1, 1, 0]
     assert p.draft_caps(8, 8, waiting=8).tolist() == [0] * 9
@@ -165,7 +165,7 @@ def test_guard_keeps_a_bursty_gain(seed):
 def test_guard_margin_narrows_with_active_rows():
     """With 8 active rows a 15% loss is clear evidence (margin 0.25 / sqrt(8) ~ 9%); with one row it is not."""
     for active, expect_on in ((8, False), (1, True)):
-        p = AdaptivePolicy()
+        p = AdaptivePolicy(max_active=8)
         _simulate(p, spec_rate=85.0, plain_rate=100.0, active=active, k=16)
         assert p.speculating(SLOTS) == expect_on, active
 
