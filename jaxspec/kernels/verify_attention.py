@@ -26,6 +26,9 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 import numpy as np
 
+# The tree layout lives in jaxspec.tree; re-exported here, where the kernel's `parents=` argument uses it.
+from ..tree import ancestor_mask
+
 __all__ = [
     "BlockSizes",
     "ancestor_mask",
@@ -101,41 +104,6 @@ class BlockSizes:
 # --------------------------------------------------------------------------------------------
 # masks
 # --------------------------------------------------------------------------------------------
-
-
-def ancestor_mask(parents: jax.Array) -> jax.Array:
-    """bool[B, T, T]: ``out[b, i, j]`` is True iff node j is node i or an ancestor of node i.
-
-    Args:
-      parents: i32[B, T]; parent index of each node among the T new tokens, -1 for a root.
-        Indices outside [0, T) are treated as -1.  Parents must form a forest (typically
-        ``parents[b, i] < i``); a cycle gives a meaningless mask rather than an error.
-
-    Uses pointer doubling: after k rounds every node knows its ancestors closer than 2**k and
-    its 2**k-th ancestor, so ceil(log2 T) rounds of [B, T, T] gathers cover any depth, with no
-    Python loop over T in the trace.
-    """
-    parents = jnp.asarray(parents)
-    if parents.ndim != 2:
-        raise ValueError(f"parents must be rank 2 [B, T], got {parents.shape=}")
-    if not jnp.issubdtype(parents.dtype, jnp.integer):
-        raise ValueError(f"parents must be an integer array, got {parents.dtype=}")
-    batch, num_nodes = parents.shape
-    parents = parents.astype(jnp.int32)
-    # Node index `num_nodes` is a virtual node with no ancestors and itself as parent, so
-    # jumping past a root lands somewhere that contributes nothing and never leaves.
-    sentinel = num_nodes
-    hop = jnp.where((parents >= 0) & (parents < num_nodes), parents, sentinel)  # i32[B, T]
-    nodes = jnp.arange(num_nodes)
-    anc = jnp.broadcast_to(nodes[:, None] == nodes[None, :], (batch, num_nodes, num_nodes))
-    no_ancestors = jnp.zeros((batch, 1, num_nodes), dtype=bool)
-    sentinel_hop = jnp.full((batch, 1), sentinel, dtype=jnp.int32)
-    for _ in range((num_nodes - 1).bit_length()):
-        anc_ext = jnp.concatenate([anc, no_ancestors], axis=1)  # bool[B, T+1, T]
-        hop_ext = jnp.concatenate([hop, sentinel_hop], axis=1)  # i32[B, T+1]
-        anc = anc | jnp.take_along_axis(anc_ext, hop[:, :, None], axis=1)
-        hop = jnp.take_along_axis(hop_ext, hop, axis=1)
-    return anc
 
 
 def _new_token_mask(mask, parents, batch: int, num_new: int) -> jax.Array:
