@@ -11,6 +11,7 @@ from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_mod
 from .proposers import StaticSuffixAutomaton
 from .rejection import rejection_sample
 from .sampling import process_logits, processed_probs, sample
+from .tree import TreeTopology, verify_tree
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -23,10 +24,12 @@ __all__ = [
     "SamplingParams",
     "SpecConfig",
     "StaticSuffixAutomaton",
+    "TreeTopology",
     "generate",
     "load_model",
     "process_logits",
     "rejection_sample",
     "processed_probs",
     "sample",
+    "verify_tree",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import numbers
 from typing import Any, Literal, Sequence
 
@@ -70,7 +71,9 @@ class SamplingParams:
                               seed=rows(self.seed, jnp.uint32))
 
 
-SpecMethod = Literal["none", "ngram", "sam", "draft_model", "self_draft", "custom"]
+SpecMethod = Literal["none", "ngram", "sam", "draft_model", "self_draft", "medusa", "eagle", "eagle2", "custom"]
+SPEC_METHODS = ("none", "ngram", "sam", "draft_model", "self_draft", "medusa", "eagle", "eagle2", "custom")
+HEAD_METHODS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle"}  # method -> the trained head it runs
 SamSource = Literal["dynamic", "static", "both"]
 
 # Settings a method gets when the caller leaves them unset (None). The `sam` default is adaptive, tuned for
@@ -86,6 +89,12 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "sam": dict(num_speculative_tokens=16, min_match=4, draft_per_match=1.0, verify_widths=(1, 9, 17)),
     "draft_model": dict(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf),
     "self_draft": dict(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf),
+    # Trained heads. K counts drafted tokens (eagle, a chain) or tree nodes (medusa, eagle2); 7 and 15 make
+    # verify widths 8 and 16, which XLA:CPU runs at 1.5-1.8 plain steps at batch 1 (docs/BENCHMARKS.md).
+    "medusa": dict(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf, verify_widths=(1, 16)),
+    "eagle": dict(num_speculative_tokens=7, min_match=1, draft_per_match=math.inf, verify_widths=(1, 8)),
+    "eagle2": dict(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf, verify_widths=(1, 16),
+                   tree_depth=6, tree_top_k=4),
     "custom": dict(min_match=1, draft_per_match=math.inf),
 }
 
@@ -112,6 +121,11 @@ class SpecConfig:
     # Default (1, K + 1); (K + 1,) always verifies at full width. Each width compiles its own forward.
     verify_widths: tuple[int, ...] | None = None
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
+    # medusa / eagle / eagle2: the trained head's file (jaxspec.models.heads.save_head); None takes the head
+    # shipped for the model (models/weights/<model>.<kind>.safetensors).
+    head_path: str | None = None
+    tree_depth: int | None = None  # eagle2: levels of the dynamic tree
+    tree_top_k: int | None = None  # eagle2: frontier nodes expanded per level, children per expanded node
     draft_model: Any = dataclasses.field(default=None, compare=False, repr=False)  # a LanguageModel
     static_sam: Any = dataclasses.field(default=None, compare=False, repr=False)  # a StaticSuffixAutomaton
     # method "custom": any object following the jaxspec.proposers.base.Proposer protocol (frozen, hashable; its
@@ -120,9 +134,8 @@ class SpecConfig:
     proposer_params: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        methods = ("none", "ngram", "sam", "draft_model", "self_draft", "custom")
-        if self.method not in methods:
-            raise ValueError(f"method={self.method!r} must be one of {methods}")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"method={self.method!r} must be one of {SPEC_METHODS}")
         defaults = dict(METHOD_DEFAULTS[self.method])
         if self.method == "custom":
             defaults["num_speculative_tokens"] = getattr(self.proposer, "num_speculative_tokens", None)
@@ -155,6 +168,17 @@ class SpecConfig:
         if self.method == "custom" and getattr(self.proposer, "num_speculative_tokens", None) != k:
             raise ValueError(f"method='custom' needs proposer (a Proposer) with num_speculative_tokens={k}; "
                              f"got {self.proposer!r}")
+        if self.method == "eagle2":
+            for name in ("tree_depth", "tree_top_k"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                    raise ValueError(f"{name}={value!r} must be an integer >= 1")
+            drafted = self.tree_top_k + (self.tree_depth - 1) * self.tree_top_k ** 2
+            if k > drafted:
+                raise ValueError(f"num_speculative_tokens={k} exceeds the {drafted} nodes a tree of tree_depth="
+                                 f"{self.tree_depth}, tree_top_k={self.tree_top_k} drafts")
+        if self.head_path is not None and not isinstance(self.head_path, (str, os.PathLike)):
+            raise ValueError(f"head_path={self.head_path!r} must be a path")
         if self.self_draft_layers < 1:
             raise ValueError(f"self_draft_layers={self.self_draft_layers!r} must be >= 1")
         widths = tuple(self.verify_widths)

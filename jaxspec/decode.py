@@ -27,6 +27,7 @@ from .config import SamplingParams
 from .proposers.base import Committed, Context, Draft, Proposer
 from .rejection import rejection_sample
 from .sampling import row_keys, sample
+from .tree import depths, gather_nodes, gather_path, tree_ancestor_mask, verify_tree
 
 
 @flax.struct.dataclass
@@ -120,6 +121,7 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     # Prefill keeps the XLA attention: the kernel is built for the few new tokens of a verification step.
     out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla")
+    # (out.hidden holds every prompt position's feature, which EAGLE and Medusa heads start from.)
     cache = cache.advance(prompt_lens)
     first = sample(row_keys(sampling.seed, cache.lengths), out.logits[:, 0], sampling)
     history = jnp.zeros((batch, width + buffer_len), jnp.int32).at[:, :width].set(prompts)
@@ -129,14 +131,27 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
                         done=done, steps=jnp.zeros((), jnp.int32), pstate=(),
                         counters=SpecCounters.zeros(batch, proposer.num_speculative_tokens, buffer_len))
     k = proposer.num_speculative_tokens
-    return state.replace(pstate=proposer.init(proposer_params, _context(state, sampling, limits, k)))
+    ctx = _context(state, sampling, limits, k)
+    if getattr(proposer, "needs_features", False):
+        ctx = ctx.replace(features=out.hidden)
+    return state.replace(pstate=proposer.init(proposer_params, ctx))
+
+
+def _pad_outputs(tokens: jax.Array, features: jax.Array | None, k: int):
+    """Output tokens (and their features) padded from [B, W] to [B, K+1]."""
+    pad = k + 1 - tokens.shape[1]
+    tokens = jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=-1)
+    if features is not None:
+        features = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
+    return tokens, features
 
 
 def _score_and_verify(model, width: int, state: DecodeState, draft: Draft, num_draft: jax.Array,
-                      sampling: SamplingParams, k: int, attention_impl: str):
+                      sampling: SamplingParams, k: int, attention_impl: str, want_features: bool):
     """One target forward over each row's newest token plus its first `width - 1` drafts, then verification.
 
-    Returns (output tokens i32[B, K+1] padded with -1, their count i32[B], the cache with the new K/V).
+    Returns (output tokens i32[B, K+1] padded with -1, their count i32[B], the cache with the new K/V, and the
+    target's hidden states at the fed tokens [B, K+1, D] or None).
     """
     cache = state.cache
     fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # [B, width]
@@ -147,8 +162,37 @@ def _score_and_verify(model, width: int, state: DecodeState, draft: Draft, num_d
     # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
     tokens, num = rejection_sample(keys, out.logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
                                    positions=cache.lengths + 1)
-    pad = jnp.full((tokens.shape[0], k + 1 - width), -1, jnp.int32)
-    return jnp.concatenate([tokens, pad], axis=1), num, cache
+    tokens, features = _pad_outputs(tokens, out.hidden if want_features else None, k)
+    return tokens, num, cache, features
+
+
+def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, num_nodes: jax.Array,
+                           max_draft: jax.Array, sampling: SamplingParams, k: int, max_depth: int,
+                           attention_impl: str, want_features: bool):
+    """The tree version: one forward over the root and the first `width - 1` draft nodes under their ancestor
+    mask, verification along the tree, and the accepted path's K/V moved to contiguous slots.
+
+    Node i's K/V is written at slot lengths + i; after verification path node j moves to slot lengths + j, so
+    the cache again holds a plain prefix and later steps never see the tree.
+    """
+    cache = state.cache
+    n = width - 1
+    tokens, parents = draft.tokens[:, :n], draft.parents[:, :n]  # [B, n]
+    fed = jnp.concatenate([state.last_tokens[:, None], tokens], axis=1)  # [B, width]: root, then the nodes
+    depth = depths(parents)  # i32[B, width]
+    out, cache = model(fed, cache.lengths[:, None] + depth, cache, tree_mask=tree_ancestor_mask(parents),
+                       attention_impl=attention_impl)
+    # Nodes past the row's node count, or deeper than it may still emit, are never accepted.
+    valid = (jnp.arange(n) < num_nodes[:, None]) & (depth[:, 1:] <= max_draft[:, None])  # bool[B, n]
+    probs = None if draft.probs is None else draft.probs[:, :n]
+    keys = jax.vmap(jax.random.key)(sampling.seed)
+    path, out_tokens, num = verify_tree(keys, out.logits, tokens, parents, valid, probs, sampling,
+                                        positions=cache.lengths + 1, max_depth=min(max_depth, n))
+    cache = cache.replace(k=tuple(gather_path(b, cache.lengths, path) for b in cache.k),
+                          v=tuple(gather_path(b, cache.lengths, path) for b in cache.v))
+    features = gather_nodes(out.hidden, path) if want_features else None
+    out_tokens, features = _pad_outputs(out_tokens, features, k)
+    return out_tokens, num, cache, features
 
 
 def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
@@ -160,19 +204,26 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     ctx = _context(state, sampling, limits, k)
     keys = row_keys(sampling.seed, state.cache.lengths)
     draft, pstate = proposer.propose(proposer_params, state.pstate, ctx, keys)
-    num_draft = jnp.minimum(draft.num_draft, ctx.max_draft)
+    want_features = getattr(proposer, "needs_features", False)
+    is_tree = draft.parents is not None
+    # A chain's drafts are its depth; a tree's nodes are bounded by the node count, its depth by max_draft.
+    num_draft = jnp.where(ctx.max_draft > 0, draft.num_draft, 0) if is_tree else jnp.minimum(draft.num_draft,
+                                                                                               ctx.max_draft)
 
     # The narrowest compiled width that holds the longest draft in the batch: a step where nobody drafts
     # costs one plain decode step, not c(K+1) of them.
     def branch(width):
-        return lambda: _score_and_verify(model, width, state, draft, jnp.minimum(num_draft, width - 1), sampling,
-                                         k, attention_impl)
+        n = jnp.minimum(num_draft, width - 1)
+        if is_tree:
+            return lambda: _score_and_verify_tree(model, width, state, draft, n, ctx.max_draft, sampling, k,
+                                                  getattr(proposer, "max_depth", k), attention_impl, want_features)
+        return lambda: _score_and_verify(model, width, state, draft, n, sampling, k, attention_impl, want_features)
 
     if len(widths) == 1:
-        out_tokens, num_out, cache = branch(widths[0])()
+        out_tokens, num_out, cache, features = branch(widths[0])()
     else:
         choice = jnp.sum(jnp.asarray(widths[:-1]) < jnp.max(num_draft) + 1)
-        out_tokens, num_out, cache = jax.lax.switch(choice, [branch(w) for w in widths])
+        out_tokens, num_out, cache, features = jax.lax.switch(choice, [branch(w) for w in widths])
 
     # Commit: keep output tokens up to and including the first stop token, and within the token budget.
     j = jnp.arange(k + 1)
@@ -192,16 +243,22 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     accepted = jnp.where(active, jnp.minimum(num_out - 1, keep), 0)
     c = state.counters
     pos = jnp.arange(k)
+    # Per-position counts are by depth: a tree drafts at depth j when one of its scored nodes is that deep.
+    draft_depth = num_draft
+    if is_tree:
+        node_depth = depths(draft.parents)[:, 1:]  # i32[B, K]
+        scored = jnp.arange(k) < num_draft[:, None]
+        draft_depth = jnp.minimum(jnp.max(jnp.where(scored, node_depth, 0), axis=1), ctx.max_draft)
     counters = SpecCounters(
         steps=c.steps + active, drafted=c.drafted + jnp.where(active, num_draft, 0), accepted=c.accepted + accepted,
-        drafted_at=c.drafted_at + (active[:, None] & (pos < num_draft[:, None])),
+        drafted_at=c.drafted_at + (active[:, None] & (pos < draft_depth[:, None])),
         accepted_at=c.accepted_at + (pos < accepted[:, None]),
         committed=c.committed.at[jnp.arange(batch), jnp.where(active, c.steps, c.committed.shape[1])].set(
             keep, mode="drop"))
 
     new = state.replace(cache=cache, history=history, history_len=history_len, done=done, steps=state.steps + 1,
                         counters=counters)
-    committed = Committed(tokens=jnp.where(kept, out_tokens, -1), num=keep)
+    committed = Committed(tokens=jnp.where(kept, out_tokens, -1), num=keep, features=features)
     pstate = proposer.update(proposer_params, pstate, _context(new, sampling, limits, k), committed)
     return new.replace(pstate=pstate)
 

@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from .config import SamplingParams, SpecConfig
+from .config import HEAD_METHODS, SamplingParams, SpecConfig
 from .decode import NoProposer, RowLimits, decode, prefill
+from .models.heads import Readout, load_head, named_head_path
 from .models.loading import LanguageModel
 from .proposers.base import Proposer
 from .proposers.draft_model import DraftModelProposer, self_draft_model
+from .proposers.eagle import EagleProposer
+from .proposers.medusa import MedusaProposer
 from .proposers.ngram import NgramProposer
 from .proposers.sam import SamProposer
+from .tree import TreeTopology
 
 _BUCKET_MIN = 16
 _CACHE_ALIGN = 128
@@ -156,6 +162,35 @@ def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int, k: int) -> tu
     return width, buffer_len, _round_up(max(width, max(prompt_lens) + buffer_len + k + 1), _CACHE_ALIGN)
 
 
+_HEADS: dict = {}  # (path, modification time, target config) -> (graphdef, params, metadata)
+
+
+def trained_head(lm: LanguageModel, spec: SpecConfig):
+    """(graphdef, params, metadata) of the head `spec` runs: its `head_path`, or the one shipped for `lm`."""
+    kind = HEAD_METHODS[spec.method]
+    path = Path(spec.head_path) if spec.head_path is not None else named_head_path(lm.name, kind)
+    path = path.with_suffix(".safetensors")
+    if not path.exists():
+        raise ValueError(f"head_path={str(spec.head_path)!r}: no head file at {str(path)!r}")
+    key = (str(path.resolve()), path.stat().st_mtime_ns, lm.config)
+    if key not in _HEADS:
+        head, meta = load_head(path, lm.config)
+        _HEADS[key] = (*nnx.split(head), meta)
+    meta = _HEADS[key][2]
+    if meta.get("kind") != kind:
+        raise ValueError(f"head_path={str(path)!r} holds a {meta.get('kind')!r} head; method="
+                         f"{spec.method!r} needs a {kind!r} head")
+    return _HEADS[key]
+
+
+def medusa_topology(meta: dict, budget: int) -> TreeTopology:
+    """The static tree for a Medusa head: best-first over its measured rank accuracies (`rank_probs`, stored
+    by training), or the default prior when the file has none."""
+    if meta.get("rank_probs"):
+        return TreeTopology.best_first(meta["rank_probs"], budget)
+    return TreeTopology.default(depth=int(meta["num_heads"]), top_k=4, budget=budget)
+
+
 def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, buffer_len: int,
                    cache_len: int) -> tuple[Proposer, object]:
     """The proposer (static settings) and its params (a pytree passed to the device) for `spec`."""
@@ -170,6 +205,14 @@ def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, bu
     if spec.method == "sam":
         return SamProposer(k, max_text_len=prompt_width + buffer_len, source=spec.sam_source,
                            min_match=spec.min_match, draft_per_match=spec.draft_per_match), spec.static_sam
+    if spec.method in HEAD_METHODS:
+        graphdef, head_params, meta = trained_head(lm, spec)
+        params = {"head": head_params, "readout": Readout.of(lm.params)}
+        if spec.method == "medusa":
+            return MedusaProposer(k, graphdef, medusa_topology(meta, k)), params
+        mode, depth, top_k = ("chain", 0, 0) if spec.method == "eagle" else ("tree", spec.tree_depth,
+                                                                                 spec.tree_top_k)
+        return EagleProposer(k, graphdef, cache_len=cache_len, mode=mode, depth=depth, top_k=top_k), params
     draft = spec.draft_model if spec.method == "draft_model" else self_draft_model(lm, spec.self_draft_layers)
     if draft.config.vocab_size != lm.config.vocab_size:
         raise ValueError(f"draft_model {draft.name!r} has vocab_size={draft.config.vocab_size}; the target "

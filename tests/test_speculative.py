@@ -198,8 +198,8 @@ def test_draft_model_with_sampling_matches_the_target_distribution(tiny_lm):
 
 
 def test_spec_config_errors_name_the_value():
-    with pytest.raises(ValueError, match="method='medusa'"):
-        SpecConfig(method="medusa")
+    with pytest.raises(ValueError, match="method='lookahead'"):
+        SpecConfig(method="lookahead")
     with pytest.raises(ValueError, match="num_speculative_tokens=-1"):
         SpecConfig(method="ngram", num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):

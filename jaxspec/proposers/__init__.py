@@ -2,6 +2,8 @@
 
 from .base import Committed, Context, Draft, Proposer
 from .draft_model import DraftModelProposer, self_draft_model
+from .eagle import EagleProposer, EagleState
+from .medusa import MedusaProposer
 from .ngram import NgramProposer
 from .sam import SamProposer
 from .suffix_automaton import StaticSuffixAutomaton, SuffixAutomaton
@@ -11,6 +13,9 @@ __all__ = [
     "Context",
     "Draft",
     "DraftModelProposer",
+    "EagleProposer",
+    "EagleState",
+    "MedusaProposer",
     "NgramProposer",
     "Proposer",
     "SamProposer",

@@ -32,6 +32,11 @@ class Draft:
     # deterministic drafts (n-gram, suffix automaton), which are judged by the target probability alone.
     probs: jax.Array | None = None
     match_len: jax.Array | None = None  # i32[B]  matched suffix length behind the draft (lookup proposers)
+    # i32[B, K] for a draft tree (jaxspec.tree): node i+1 holds tokens[:, i] and hangs under node parents[:, i]
+    # (0 is the root, the row's newest token; a parent precedes its child). None: a chain. For a tree,
+    # num_draft counts nodes (a prefix in index order), the row's max_draft bounds the accepted depth, and
+    # probs[:, j] is the distribution node j's children were drawn from.
+    parents: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -44,6 +49,9 @@ class Context:
     sampling: SamplingParams  # per-row arrays [B]
     positions: jax.Array  # i32[B]  position of each row's newest token (== its committed cache length)
     active: jax.Array | None = None  # bool[B]  rows still generating (None: all of them)
+    # [B, P, D] the target's final hidden state at every prompt position, given to `init` of proposers with
+    # `needs_features` (EAGLE, Medusa); None elsewhere.
+    features: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -52,10 +60,16 @@ class Committed:
 
     tokens: jax.Array  # i32[B, K+1]  -1 padded
     num: jax.Array  # i32[B]  in [0, K+1]
+    # [B, K+1, D] for proposers with `needs_features`: features[:, j] is the target's hidden state at the fed
+    # token whose logits produced tokens[:, j] (the newest token for j = 0, then the accepted drafts).
+    features: jax.Array | None = None
 
 
 class Proposer(Protocol):
-    num_speculative_tokens: int  # K, the static draft budget per step
+    num_speculative_tokens: int  # K, the static draft budget per step (tree proposers: non-root nodes)
+    # Optional static attributes, read with getattr: `needs_features` (bool) asks the loop for the target's
+    # hidden states (Context.features at init, Committed.features at update); `max_depth` (int) bounds a
+    # tree proposer's depth, which sizes its verification.
 
     def init(self, params: Any, ctx: Context) -> PState: ...
 

@@ -1,0 +1,188 @@
+"""Trained drafters that read the target's own features: Medusa heads and the EAGLE head (SEEDS.md §2).
+
+Both reuse the target's token embedding and LM head (frozen, never copied): a head predicts *features*, and
+`Readout` turns features into logits exactly as the target does. So a head is small (Medusa: M residual
+blocks of D x D; EAGLE: one fc plus one decoder layer) and ships inside the repository.
+
+- `MedusaHeads`: head i maps the target's final hidden state h_t to h_t + SiLU(W_i h_t + b_i), whose logits
+  under the target's LM head predict token t + 2 + i (the target's own head predicts t + 1). W_i starts at
+  zero, so an untrained head is the target's next-token predictor (as in the Medusa paper). Sharing the LM
+  head instead of training one [D, V] projection per head (28M parameters each for SmolLM2) keeps the heads
+  at 0.3M parameters each: trainable on a 2-core CPU and small enough to commit.
+- `EagleHead`: at position i it fuses the target's feature f_i with the embedding of token x_{i+1} (fc on the
+  concatenation), runs one decoder layer (its own KV cache over earlier positions) and a norm, and predicts
+  f_{i+1}; the LM head turns that into the distribution of x_{i+2}. Drafting feeds its own predictions back.
+
+Heads are saved as one safetensors file (float16, half the bytes; the maths runs in float32) plus JSON
+metadata, and the ones trained for a named model are found by name (`named_head_path`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.cache import KVCache
+
+from .config import ModelConfig
+from .llama import DecoderLayer, RMSNorm, _dense_init, visibility_mask
+from .rope import rope_tables
+
+HeadKind = Literal["medusa", "eagle"]
+WEIGHTS_DIR = Path(__file__).parent / "weights"  # shipped heads: <model>.<kind>.safetensors (+ .json)
+
+
+@flax.struct.dataclass
+class Readout:
+    """The target's token embedding and LM head, the two ends every head shares with it (no copies)."""
+
+    embed: jax.Array  # [V, D]
+    lm_head: jax.Array  # [D, V]
+
+    @classmethod
+    def of(cls, target_params) -> "Readout":
+        """From a `Llama`'s nnx state (`LanguageModel.params`)."""
+        return cls(embed=target_params["embed"][...], lm_head=target_params["lm_head"][...])
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """[..., D] for i32[...] (negative ids, e.g. -1 padding, read row 0: callers mask them)."""
+        return jnp.take(self.embed, jnp.maximum(tokens, 0), axis=0)
+
+    def logits(self, features: jax.Array) -> jax.Array:
+        """f32[..., V] from features [..., D], as the target's own LM head computes them."""
+        rows = features.reshape(-1, features.shape[-1])
+        out = jnp.dot(rows, self.lm_head, preferred_element_type=jnp.float32)
+        return out.reshape(features.shape[:-1] + (out.shape[-1],))
+
+
+class MedusaHeads(nnx.Module):
+    def __init__(self, cfg: ModelConfig, num_heads: int, *, rngs: nnx.Rngs | None = None):
+        if num_heads < 1:
+            raise ValueError(f"num_heads={num_heads!r} must be >= 1")
+        d = cfg.hidden_size
+        self.num_heads = num_heads
+        # Zero weights: each head starts as the target's next-token predictor and learns its offset.
+        self.w = nnx.Param(jnp.zeros((num_heads, d, d), jnp.float32))  # [M, D_out, D_in]
+        self.b = nnx.Param(jnp.zeros((num_heads, d), jnp.float32))  # [M, D]
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        """Features [..., M, D] from the target's final hidden states [..., D]."""
+        h = hidden.astype(jnp.float32)
+        pre = jnp.einsum("mod,...d->...mo", self.w[...], h) + self.b[...]
+        return h[..., None, :] + jax.nn.silu(pre)
+
+
+class EagleHead(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.fc = _dense_init(rngs, (d, 2 * d), jnp.float32)  # [D, 2D]: [embedding; feature] -> D
+        self.fc_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+        self.layer = DecoderLayer(dataclasses.replace(cfg, dtype="float32"), rngs)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, jnp.float32)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache.create(num_layers=1, batch=batch, num_kv_heads=cfg.num_kv_heads, max_len=max_len,
+                              head_dim=cfg.head_dim, dtype=jnp.float32)
+
+    def __call__(
+        self,
+        embeds: jax.Array,  # [B, T, D]  embeddings of tokens x_{i+1}
+        features: jax.Array,  # [B, T, D]  features f_i (the target's, or the head's own predictions)
+        positions: jax.Array,  # i32[B, T]  rotary positions i
+        cache: KVCache,  # one layer; slots below `cache.lengths` are the committed positions
+        *,
+        write_at: jax.Array | None = None,  # i32[B]  first slot of the T new entries (default cache.lengths)
+        visible: jax.Array | None = None,  # bool[B, T, S]  default: committed prefix + causal among the new
+    ) -> tuple[jax.Array, KVCache]:
+        """Predicted next features [B, T, D] and the cache with the new K/V written (lengths not advanced).
+
+        Tree drafting writes each level's nodes at `write_at` past the committed slots and passes its own
+        `visible` (prefix plus each node's ancestors), so one cache serves chains, trees and training.
+        """
+        B, T, D = embeds.shape
+        write_at = cache.lengths if write_at is None else write_at
+        if visible is None:
+            visible = visibility_mask(write_at, T, cache.max_len)
+        x = jnp.concatenate([embeds, features], axis=-1).astype(jnp.float32).reshape(B * T, 2 * D)
+        xt = self.fc[...] @ x.T + self.fc_bias[...][:, None]  # [D, B*T] feature-major, as in the target
+        cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
+        xt, k, v = self.layer(xt, cos, sin, cache.k[0], cache.v[0], write_at, visible, "xla", None)
+        out = self.norm(xt).T.reshape(B, T, D)
+        return out, cache.replace(k=(k,), v=(v,))
+
+
+# --------------------------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------------------------
+
+
+def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int = 0):
+    """A freshly initialised head of `kind` for a target of config `cfg`."""
+    if kind == "medusa":
+        return MedusaHeads(cfg, num_heads)
+    if kind == "eagle":
+        return EagleHead(cfg, rngs=nnx.Rngs(seed))
+    raise ValueError(f"head kind={kind!r} must be 'medusa' or 'eagle'")
+
+
+def _flat(state: nnx.State) -> dict[str, np.ndarray]:
+    return {".".join(map(str, path)): np.asarray(v[...] if hasattr(v, "get_value") else v)
+            for path, v in nnx.to_flat_state(state)}
+
+
+def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any] | None = None) -> Path:
+    """Write `head`'s parameters (float16) to `path` (.safetensors) and its metadata next to it (.json)."""
+    from safetensors.numpy import save_file
+
+    path = Path(path).with_suffix(".safetensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _, state = nnx.split(head)
+    save_file({k: v.astype(np.float16) for k, v in _flat(state).items()}, str(path))
+    meta = {"kind": kind, "num_heads": getattr(head, "num_heads", None), **(metadata or {})}
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def load_head(path: str | Path, cfg: ModelConfig):
+    """(head module, metadata) from a file written by `save_head`, for a target of config `cfg`."""
+    from safetensors.numpy import load_file
+
+    path = Path(path).with_suffix(".safetensors")
+    if not path.exists():
+        raise ValueError(f"head file {str(path)!r} does not exist")
+    meta = json.loads(path.with_suffix(".json").read_text())
+    head = new_head(meta["kind"], cfg, num_heads=meta.get("num_heads") or 1)
+    graphdef, state = nnx.split(head)
+    stored = load_file(str(path))
+    flat = dict(nnx.to_flat_state(state))
+    expected = {".".join(map(str, p)) for p in flat}
+    if set(stored) != expected:
+        raise ValueError(f"head file {str(path)!r} does not match a {meta['kind']} head for this model: "
+                         f"missing {sorted(expected - set(stored))}, unexpected {sorted(set(stored) - expected)}")
+    for p, var in flat.items():
+        value = stored[".".join(map(str, p))]
+        if value.shape != var[...].shape:
+            raise ValueError(f"head file {str(path)!r}: {'.'.join(map(str, p))} has shape {value.shape}, "
+                             f"this model needs {var[...].shape}")
+        var[...] = jnp.asarray(value, jnp.float32)
+    return nnx.merge(graphdef, state), meta
+
+
+def named_head_path(model_name: str, kind: HeadKind) -> Path:
+    """The shipped head of `kind` for the named model; ValueError naming what exists when there is none."""
+    path = WEIGHTS_DIR / f"{model_name}.{kind}.safetensors"
+    if not path.exists():
+        shipped = sorted(p.name for p in WEIGHTS_DIR.glob("*.safetensors")) if WEIGHTS_DIR.exists() else []
+        raise ValueError(f"no shipped {kind} head for model {model_name!r} (shipped: {shipped}); "
+                         f"train one with `python -m jaxspec.train.{kind}` and pass its path")
+    return path

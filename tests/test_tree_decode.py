@@ -1,0 +1,220 @@
+"""Tree drafts in the decode loop and the trained-head proposers (Medusa, EAGLE chain, EAGLE-2 tree), on a
+tiny random model.
+
+An oracle tree proposer hides the true continuation among distractors at every level, so whole paths are
+accepted and the K/V of the accepted path must be moved to contiguous slots correctly for later steps to
+stay exact. Random (untrained) heads check that the head proposers are lossless whatever they draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxspec
+from jaxspec import SamplingParams, SpecConfig
+from jaxspec.models.heads import EagleHead, MedusaHeads, Readout, save_head
+from jaxspec.proposers.base import Committed, Context, Draft
+from jaxspec.proposers.eagle import EagleProposer
+from jaxspec.tree import TreeTopology
+
+# Two candidates per level, four levels deep, plus a side branch: 9 nodes.
+TOPOLOGY = TreeTopology.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0),
+                                    (0, 0, 0, 1)])
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTreeProposer:
+    """Drafts a tree whose nodes are right or wrong by their rank: the true next tokens (params: the known
+    continuation i32[B, R]) sit at rank `right_rank[depth - 1]`, a wrong token (+1 mod V) elsewhere."""
+
+    num_speculative_tokens: int
+    topology: TreeTopology
+    right_rank: tuple[int, ...]
+    vocab: int
+
+    @property
+    def max_depth(self) -> int:
+        return self.topology.max_depth
+
+    def init(self, params, ctx: Context):
+        return ()
+
+    def propose(self, params, pstate, ctx: Context, keys):
+        depth = jnp.asarray(self.topology.depths)  # i32[K]
+        rank = jnp.asarray(self.topology.child_rank)
+        # A node is on the true path iff every node on its path has the right rank for its depth.
+        on_path = np.ones(self.topology.num_nodes, bool)
+        for i, (p, d, r) in enumerate(zip(self.topology.parents, self.topology.depths, self.topology.child_rank)):
+            on_path[i] = (r == self.right_rank[d - 1]) and (p == 0 or on_path[p - 1])
+        idx = jnp.minimum(ctx.history_len[:, None] - 1 + depth[None], params.shape[1] - 1)
+        truth = jnp.take_along_axis(params, idx, axis=1)  # [B, K]
+        tokens = jnp.where(jnp.asarray(on_path), truth, (truth + 1 + rank) % self.vocab)
+        parents = jnp.broadcast_to(jnp.asarray(self.topology.parents, jnp.int32), tokens.shape)
+        num = jnp.full(tokens.shape[:1], self.num_speculative_tokens, jnp.int32)
+        return Draft(tokens=tokens.astype(jnp.int32), num_draft=num, parents=parents), pstate
+
+    def update(self, params, pstate, ctx: Context, committed: Committed):
+        return pstate
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, 97, size=n).tolist() for n in (6, 19, 11)]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_lm, prompts):
+    return jaxspec.generate(tiny_lm, prompts, max_new_tokens=40)
+
+
+def _known(prompts, plain, width):
+    table = np.zeros((len(prompts), width), np.int32)
+    for i, (p, out) in enumerate(zip(prompts, plain.token_ids)):
+        row = p + out
+        table[i, : len(row)] = row
+    return jnp.asarray(table)
+
+
+@pytest.mark.parametrize("right_rank", [(0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 1)])
+def test_oracle_tree_greedy_equals_plain(tiny_lm, prompts, plain, right_rank):
+    """Deep accepted paths through side branches: the compacted cache keeps every later step exact."""
+    proposer = OracleTreeProposer(TOPOLOGY.num_nodes, TOPOLOGY, right_rank, vocab=97)
+    spec = SpecConfig(method="custom", num_speculative_tokens=TOPOLOGY.num_nodes, proposer=proposer,
+                      proposer_params=_known(prompts, plain, 128))
+    out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, spec=spec)
+    assert out.token_ids == plain.token_ids
+    # The true path is in the tree whenever it is reachable: right_rank (0, 0, 0, 0) reaches depth 4,
+    # a path that leaves the deepest branch stops earlier.
+    reach = {(0, 0, 0, 0): 4, (1, 0, 0, 0): 2, (0, 1, 0, 0): 2, (0, 0, 1, 1): 3}[right_rank]
+    assert out.stats.mean_acceptance_length > 0.8 * (reach + 1)
+
+
+def test_oracle_tree_budget_and_stops(tiny_lm, prompts, plain):
+    """Token budgets and stop ids that fall inside an accepted path cut it exactly where plain decoding ends."""
+    proposer = OracleTreeProposer(TOPOLOGY.num_nodes, TOPOLOGY, (0, 0, 0, 0), vocab=97)
+    spec = SpecConfig(method="custom", num_speculative_tokens=TOPOLOGY.num_nodes, proposer=proposer,
+                      proposer_params=_known(prompts, plain, 128))
+    stop = plain.token_ids[1][7]
+    for kwargs in (dict(max_new_tokens=6), dict(max_new_tokens=40, stop_token_ids=[stop])):
+        ref = jaxspec.generate(tiny_lm, prompts, **kwargs)
+        assert jaxspec.generate(tiny_lm, prompts, spec=spec, **kwargs).token_ids == ref.token_ids
+
+
+@pytest.fixture(scope="module")
+def head_files(tiny_lm, tmp_path_factory):
+    """Random heads saved as files: Medusa with non-zero blocks (so heads differ), an EAGLE head."""
+    cfg = tiny_lm.config
+    medusa = MedusaHeads(cfg, 3)
+    key = jax.random.key(3)
+    medusa.w[...] = 0.3 * jax.random.normal(key, medusa.w[...].shape)
+    root = tmp_path_factory.mktemp("heads")
+    return {"medusa": save_head(root / "medusa", medusa, kind="medusa",
+                                metadata={"rank_probs": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]]}),
+            "eagle": save_head(root / "eagle", EagleHead(cfg, rngs=nnx.Rngs(5)), kind="eagle")}
+
+
+HEAD_SPECS = [
+    dict(method="medusa", num_speculative_tokens=7),
+    dict(method="eagle", num_speculative_tokens=4),
+    dict(method="eagle2", num_speculative_tokens=9, tree_depth=4, tree_top_k=3),
+]
+
+
+@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"])
+def test_head_proposers_greedy_equal_plain(tiny_lm, prompts, plain, head_files, spec_kwargs):
+    kind = "medusa" if spec_kwargs["method"] == "medusa" else "eagle"
+    spec = SpecConfig(head_path=str(head_files[kind]), **spec_kwargs)
+    out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, spec=spec)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted > 0
+
+
+@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"])
+def test_head_proposers_seeded_sampling(tiny_lm, prompts, head_files, spec_kwargs):
+    """Trees of deterministic candidates follow plain sampling token for token (the point-mass rule); the
+    EAGLE chain samples its drafts from q, so only its lengths and token range are checked here (its
+    distribution is the chain sampler's, tested in test_rejection.py)."""
+    kind = "medusa" if spec_kwargs["method"] == "medusa" else "eagle"
+    sampling = [SamplingParams(temperature=0.9, top_k=20, seed=11), SamplingParams(),
+                SamplingParams(temperature=1.3, top_p=0.8, seed=4)]
+    ref = jaxspec.generate(tiny_lm, prompts, max_new_tokens=30, sampling=sampling)
+    out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=30, sampling=sampling,
+                           spec=SpecConfig(head_path=str(head_files[kind]), **spec_kwargs))
+    if spec_kwargs["method"] == "eagle":
+        assert out.token_ids[1] == ref.token_ids[1]  # the greedy row
+        assert all(len(t) == 30 for t in out.token_ids)
+    else:
+        assert out.token_ids == ref.token_ids
+
+
+def _eagle_params(tiny_lm, head_file):
+    head, _ = jaxspec.models.heads.load_head(head_file, tiny_lm.config)
+    graphdef, state = nnx.split(head)
+    return graphdef, {"head": state, "readout": Readout.of(tiny_lm.params)}
+
+
+def _prompt_ctx(tiny_lm, tokens):
+    """Context after a prefill of `tokens[:-1]` with `tokens[-1]` as the newest token (batch of 1)."""
+    module = tiny_lm.module
+    prompt = jnp.asarray([tokens[:-1]], jnp.int32)
+    cache = module.new_cache(1, 64)
+    out, _ = module(prompt, jnp.arange(prompt.shape[1])[None], cache, compute_logits=False)
+    history = jnp.asarray([tokens + [0] * (64 - len(tokens))], jnp.int32)
+    ctx = Context(history=history, history_len=jnp.asarray([len(tokens)]), max_draft=jnp.asarray([8]),
+                  sampling=SamplingParams().broadcast(1), positions=jnp.asarray([len(tokens) - 1]),
+                  features=out.hidden)
+    return ctx, out.hidden
+
+
+def test_eagle_update_matches_a_fresh_prefill(tiny_lm, head_files):
+    """The head's state after reading committed tokens with the target's features equals a prefill of the
+    longer prompt: the head cache stays in step with the target."""
+    graphdef, params = _eagle_params(tiny_lm, head_files["eagle"])
+    proposer = EagleProposer(4, graphdef, cache_len=64)
+    seq = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
+    short_ctx, _ = _prompt_ctx(tiny_lm, seq[:6])
+    long_ctx, long_hidden = _prompt_ctx(tiny_lm, seq)
+    state = proposer.init(params, short_ctx)
+    # Committed: tokens seq[6:10] produced by the features at positions 5..8.
+    committed = Committed(tokens=jnp.asarray([seq[6:10] + [-1]]), num=jnp.asarray([4]),
+                          features=jnp.pad(long_hidden[:, 5:9], ((0, 0), (0, 1), (0, 0))))
+    updated = proposer.update(params, state, long_ctx, committed)
+    fresh = proposer.init(params, long_ctx)
+    assert int(updated.cache.lengths[0]) == int(fresh.cache.lengths[0]) == 9
+    np.testing.assert_allclose(np.asarray(updated.pred), np.asarray(fresh.pred), atol=2e-5)
+
+
+def test_eagle_tree_with_one_child_per_level_is_the_greedy_chain(tiny_lm, head_files):
+    """A dynamic tree of top-1 expansions is the chain of argmax drafts: the tree masks and scratch slots of
+    the head agree with plain autoregressive drafting."""
+    graphdef, params = _eagle_params(tiny_lm, head_files["eagle"])
+    ctx, _ = _prompt_ctx(tiny_lm, [5, 17, 3, 88, 41, 9, 60])
+    chain = EagleProposer(5, graphdef, cache_len=64)
+    tree = EagleProposer(5, graphdef, cache_len=64, mode="tree", depth=5, top_k=1)
+    keys = jax.vmap(jax.random.key)(jnp.zeros((1,), jnp.uint32))
+    chain_draft, _ = chain.propose(params, chain.init(params, ctx), ctx, keys)
+    tree_draft, _ = tree.propose(params, tree.init(params, ctx), ctx, keys)
+    assert tree_draft.tokens.tolist() == chain_draft.tokens.tolist()
+    assert tree_draft.parents.tolist() == [[0, 1, 2, 3, 4]]
+
+
+def test_head_errors(tiny_lm, head_files, tmp_path):
+    with pytest.raises(ValueError, match="head_path"):
+        jaxspec.generate(tiny_lm, [[1, 2, 3]], max_new_tokens=4,
+                         spec=SpecConfig(method="eagle", head_path=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="needs a 'eagle' head"):
+        jaxspec.generate(tiny_lm, [[1, 2, 3]], max_new_tokens=4,
+                         spec=SpecConfig(method="eagle", head_path=str(head_files["medusa"])))
+    with pytest.raises(ValueError, match="no shipped eagle head for model 'tiny'"):
+        jaxspec.generate(tiny_lm, [[1, 2, 3]], max_new_tokens=4, spec=SpecConfig(method="eagle"))
+    with pytest.raises(ValueError, match="num_speculative_tokens=99 exceeds"):
+        SpecConfig(method="eagle2", num_speculative_tokens=99, tree_depth=2, tree_top_k=3)
+    with pytest.raises(ValueError, match="tree_top_k=0"):
+        SpecConfig(method="eagle2", tree_top_k=0)
