@@ -124,8 +124,11 @@ class SpecConfig:
     # medusa / eagle / eagle2: the trained head's file (jaxspec.models.heads.save_head); None takes the head
     # shipped for the model (models/weights/<model>.<kind>.safetensors).
     head_path: str | None = None
-    tree_depth: int | None = None  # eagle2: levels of the dynamic tree
-    tree_top_k: int | None = None  # eagle2: frontier nodes expanded per level, children per expanded node
+    # eagle2: levels of the dynamic tree, and frontier nodes expanded per level (each with that many children).
+    # eagle: unset drafts a chain of K; set, a static tree (EAGLE-1) of K nodes at most tree_depth deep, with
+    # up to tree_top_k candidates per node (`TreeTopology.default`).
+    tree_depth: int | None = None
+    tree_top_k: int | None = None
     draft_model: Any = dataclasses.field(default=None, compare=False, repr=False)  # a LanguageModel
     static_sam: Any = dataclasses.field(default=None, compare=False, repr=False)  # a StaticSuffixAutomaton
     # method "custom": any object following the jaxspec.proposers.base.Proposer protocol (frozen, hashable; its
@@ -168,12 +171,13 @@ class SpecConfig:
         if self.method == "custom" and getattr(self.proposer, "num_speculative_tokens", None) != k:
             raise ValueError(f"method='custom' needs proposer (a Proposer) with num_speculative_tokens={k}; "
                              f"got {self.proposer!r}")
-        if self.method == "eagle2":
+        if self.method == "eagle2" or (self.method == "eagle" and (self.tree_depth, self.tree_top_k) != (None, None)):
             for name in ("tree_depth", "tree_top_k"):
                 value = getattr(self, name)
                 if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                     raise ValueError(f"{name}={value!r} must be an integer >= 1")
-            drafted = self.tree_top_k + (self.tree_depth - 1) * self.tree_top_k ** 2
+            drafted = (self.tree_top_k + (self.tree_depth - 1) * self.tree_top_k ** 2 if self.method == "eagle2"
+                       else sum(self.tree_top_k ** d for d in range(1, self.tree_depth + 1)))
             if k > drafted:
                 raise ValueError(f"num_speculative_tokens={k} exceeds the {drafted} nodes a tree of tree_depth="
                                  f"{self.tree_depth}, tree_top_k={self.tree_top_k} drafts")

@@ -210,9 +210,13 @@ def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, bu
         params = {"head": head_params, "readout": Readout.of(lm.params)}
         if spec.method == "medusa":
             return MedusaProposer(k, graphdef, medusa_topology(meta, k)), params
-        mode, depth, top_k = ("chain", 0, 0) if spec.method == "eagle" else ("tree", spec.tree_depth,
-                                                                                 spec.tree_top_k)
-        return EagleProposer(k, graphdef, cache_len=cache_len, mode=mode, depth=depth, top_k=top_k), params
+        if spec.method == "eagle2":
+            return EagleProposer(k, graphdef, cache_len=cache_len, mode="tree", depth=spec.tree_depth,
+                                 top_k=spec.tree_top_k), params
+        if spec.tree_depth is not None:
+            return EagleProposer(k, graphdef, cache_len=cache_len, mode="static",
+                                 topology=TreeTopology.default(spec.tree_depth, spec.tree_top_k, k)), params
+        return EagleProposer(k, graphdef, cache_len=cache_len), params
     draft = spec.draft_model if spec.method == "draft_model" else self_draft_model(lm, spec.self_draft_layers)
     if draft.config.vocab_size != lm.config.vocab_size:
         raise ValueError(f"draft_model {draft.name!r} has vocab_size={draft.config.vocab_size}; the target "

@@ -123,11 +123,12 @@ def head_files(tiny_lm, tmp_path_factory):
 HEAD_SPECS = [
     dict(method="medusa", num_speculative_tokens=7),
     dict(method="eagle", num_speculative_tokens=4),
+    dict(method="eagle", num_speculative_tokens=8, tree_depth=3, tree_top_k=3),
     dict(method="eagle2", num_speculative_tokens=9, tree_depth=4, tree_top_k=3),
 ]
 
 
-@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"])
+@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"] + ("-static" if d["method"] == "eagle" and "tree_depth" in d else ""))
 def test_head_proposers_greedy_equal_plain(tiny_lm, prompts, plain, head_files, spec_kwargs):
     kind = "medusa" if spec_kwargs["method"] == "medusa" else "eagle"
     spec = SpecConfig(head_path=str(head_files[kind]), **spec_kwargs)
@@ -136,7 +137,7 @@ def test_head_proposers_greedy_equal_plain(tiny_lm, prompts, plain, head_files, 
     assert out.stats.drafted > 0
 
 
-@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"])
+@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"] + ("-static" if d["method"] == "eagle" and "tree_depth" in d else ""))
 def test_head_proposers_seeded_sampling(tiny_lm, prompts, head_files, spec_kwargs):
     """Trees of deterministic candidates follow plain sampling token for token (the point-mass rule); the
     EAGLE chain samples its drafts from q, so only its lengths and token range are checked here (its
@@ -147,7 +148,7 @@ def test_head_proposers_seeded_sampling(tiny_lm, prompts, head_files, spec_kwarg
     ref = jaxspec.generate(tiny_lm, prompts, max_new_tokens=30, sampling=sampling)
     out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=30, sampling=sampling,
                            spec=SpecConfig(head_path=str(head_files[kind]), **spec_kwargs))
-    if spec_kwargs["method"] == "eagle":
+    if spec_kwargs["method"] == "eagle" and "tree_depth" not in spec_kwargs:
         assert out.token_ids[1] == ref.token_ids[1]  # the greedy row
         assert all(len(t) == 30 for t in out.token_ids)
     else:
@@ -203,6 +204,25 @@ def test_eagle_tree_with_one_child_per_level_is_the_greedy_chain(tiny_lm, head_f
     tree_draft, _ = tree.propose(params, tree.init(params, ctx), ctx, keys)
     assert tree_draft.tokens.tolist() == chain_draft.tokens.tolist()
     assert tree_draft.parents.tolist() == [[0, 1, 2, 3, 4]]
+    static = EagleProposer(5, graphdef, cache_len=64, mode="static", topology=jaxspec.TreeTopology.chain(5))
+    static_draft, _ = static.propose(params, static.init(params, ctx), ctx, keys)
+    assert static_draft.tokens.tolist() == chain_draft.tokens.tolist()
+
+
+def test_eagle_static_tree_children_are_each_nodes_ranked_candidates(tiny_lm, head_files):
+    """In a static tree every node's children are its own top-k: the depth-1 nodes of a wide tree are the
+    chain's first draft and its runners-up, and the rank-0 path is the greedy chain."""
+    graphdef, params = _eagle_params(tiny_lm, head_files["eagle"])
+    ctx, _ = _prompt_ctx(tiny_lm, [5, 17, 3, 88, 41, 9, 60])
+    keys = jax.vmap(jax.random.key)(jnp.zeros((1,), jnp.uint32))
+    topo = TreeTopology.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    static = EagleProposer(topo.num_nodes, graphdef, cache_len=64, mode="static", topology=topo)
+    draft, _ = static.propose(params, static.init(params, ctx), ctx, keys)
+    chain = EagleProposer(3, graphdef, cache_len=64)
+    chain_draft, _ = chain.propose(params, chain.init(params, ctx), ctx, keys)
+    tokens = draft.tokens[0].tolist()
+    assert [tokens[0], tokens[3], tokens[6]] == chain_draft.tokens[0].tolist()  # paths (0,), (0,0), (0,0,0)
+    assert len({tokens[0], tokens[1], tokens[2]}) == 3 and tokens[3] != tokens[4]
 
 
 def test_head_errors(tiny_lm, head_files, tmp_path):

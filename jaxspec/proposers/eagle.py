@@ -11,6 +11,8 @@ positions); drafts write past it and are overwritten, like the target's rejected
   last one: the feature behind the first draft of the next step.
 - propose, mode "chain": K drafts, each fed back with the head's own predicted feature. Greedy rows take the
   argmax, sampled rows sample from the head's processed distribution q, which goes to verification.
+- propose, mode "static" (EAGLE-1): a fixed `TreeTopology`; every node with children is run through the
+  head once (one forward per depth over that depth's parents) and its children are its ranked top-k tokens.
 - propose, mode "tree" (EAGLE-2's dynamic tree): from the root, expand the `top_k` most confident frontier
   nodes by cumulative draft log-probability, each with its top-k children, for `depth` levels, then keep the
   K best nodes (`select_nodes`, closed under ancestors). Each level is one head forward over the frontier
@@ -25,11 +27,12 @@ from typing import Any, Literal
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..cache import KVCache
 from ..sampling import processed_probs, sample
-from ..tree import select_nodes
+from ..tree import TreeTopology, select_nodes
 from .base import Committed, Context, Draft
 
 
@@ -49,14 +52,19 @@ class EagleProposer:
     num_speculative_tokens: int  # chain: drafts per step; tree: nodes kept for verification
     graphdef: Any  # nnx.GraphDef of EagleHead; params = {"head": state, "readout": Readout}
     cache_len: int  # the target's cache slots per row
-    mode: Literal["chain", "tree"] = "chain"
+    mode: Literal["chain", "static", "tree"] = "chain"
     depth: int = 0  # tree: levels expanded
     top_k: int = 0  # tree: frontier nodes per level, and children per frontier node
+    topology: TreeTopology | None = None  # static: the tree
     needs_features: bool = True
 
     def __post_init__(self):
-        if self.mode not in ("chain", "tree"):
-            raise ValueError(f"mode={self.mode!r} must be 'chain' or 'tree'")
+        if self.mode not in ("chain", "static", "tree"):
+            raise ValueError(f"mode={self.mode!r} must be 'chain', 'static' or 'tree'")
+        if self.mode == "static" and (self.topology is None
+                                      or self.topology.num_nodes != self.num_speculative_tokens):
+            raise ValueError(f"mode='static' needs a topology of num_speculative_tokens="
+                             f"{self.num_speculative_tokens} nodes, got {self.topology!r}")
         if self.mode == "tree":
             if self.depth < 1 or self.top_k < 1:
                 raise ValueError(f"tree_depth={self.depth!r} and tree_top_k={self.top_k!r} must be >= 1")
@@ -66,6 +74,8 @@ class EagleProposer:
 
     @property
     def max_depth(self) -> int:
+        if self.mode == "static":
+            return self.topology.max_depth
         return self.depth if self.mode == "tree" else self.num_speculative_tokens
 
     @property
@@ -75,7 +85,16 @@ class EagleProposer:
     @property
     def _scratch(self) -> int:
         """Head cache slots past the committed ones that drafting writes."""
+        if self.mode == "static":
+            return max(len(self._expanded), 1)
         return self.num_speculative_tokens if self.mode == "chain" else (self.depth - 1) * self.top_k
+
+    @property
+    def _expanded(self) -> tuple[int, ...]:
+        """Static mode: the non-root nodes with children, by depth (each depth's are run together, so their
+        scratch slots must be contiguous), then index."""
+        depth = self.topology.depths
+        return tuple(sorted(set(p for p in self.topology.parents if p > 0), key=lambda n: (depth[n - 1], n)))
 
     def init(self, params, ctx: Context) -> EagleState:
         head = nnx.merge(self.graphdef, params["head"])
@@ -102,6 +121,8 @@ class EagleProposer:
     def propose(self, params, state: EagleState, ctx: Context, keys) -> tuple[Draft, EagleState]:
         if self.mode == "chain":
             return self._chain(params, state, ctx, keys), state
+        if self.mode == "static":
+            return self._static(params, state), state
         return self._tree(params, state), state
 
     def _chain(self, params, state: EagleState, ctx: Context, keys) -> Draft:
@@ -131,6 +152,53 @@ class EagleProposer:
 
         _, _, tokens, probs = jax.lax.fori_loop(1, k, step, (state.cache, state.pred, tokens, probs))
         return Draft(tokens=tokens, num_draft=jnp.minimum(ctx.max_draft, k), probs=probs)
+
+    def _static(self, params, state: EagleState) -> Draft:
+        head = nnx.merge(self.graphdef, params["head"])
+        readout = params["readout"]
+        topo = self.topology
+        parents, ranks, node_depth = topo.parents, topo.child_rank, topo.depths
+        expanded = self._expanded
+        slot_of = {node: i for i, node in enumerate(expanded)}  # scratch slot of each expanded node
+        cache, start = state.cache, state.cache.lengths
+        batch = start.shape[0]
+        rel = jnp.arange(cache.max_len)[None, :] - start[:, None]  # [B, S]
+        width = max(ranks) + 1
+
+        def ranked(feature):  # f32[B, n, D] -> i32[B, n, width] each node's ranked candidates
+            return jax.lax.top_k(readout.logits(feature), width)[1].astype(jnp.int32)
+
+        tokens = jnp.zeros((batch, topo.num_nodes), jnp.int32)
+        outputs = {0: state.pred}  # node -> the head's feature after it (root: the state's prediction)
+        candidates = {0: ranked(state.pred[:, None])[:, 0]}
+        for level in range(1, topo.max_depth + 1):
+            # Fill this depth's tokens from their parents' candidates, then run the ones that have children.
+            for i in (i for i in range(topo.num_nodes) if node_depth[i] == level):
+                tokens = tokens.at[:, i].set(candidates[parents[i]][:, ranks[i]])
+            run = [n for n in expanded if node_depth[n - 1] == level]
+            if not run:
+                continue
+            # Static visibility: each run node sees the committed prefix, itself and its expanded ancestors.
+            sees = np.zeros((len(run), self._scratch), bool)
+            for row, node in enumerate(run):
+                a = node
+                while a > 0:
+                    sees[row, slot_of[a]] = True
+                    a = parents[a - 1]
+            in_scratch = (rel >= 0) & (rel < self._scratch)
+            seen = jnp.take_along_axis(jnp.broadcast_to(jnp.asarray(sees), (batch,) + sees.shape),
+                                       jnp.clip(rel, 0, self._scratch - 1)[:, None, :].repeat(len(run), 1), axis=2)
+            visible = (rel < 0)[:, None, :] | (in_scratch[:, None, :] & seen)
+            feats = jnp.stack([outputs[parents[n - 1]] for n in run], axis=1)  # [B, n, D]
+            fed = tokens[:, [n - 1 for n in run]]
+            positions = jnp.broadcast_to((start + level - 1)[:, None], fed.shape)
+            out, cache = head(readout.embed_tokens(fed), feats, positions, cache, write_at=start + slot_of[run[0]],
+                              visible=visible)
+            cand = ranked(out)
+            for row, node in enumerate(run):
+                outputs[node], candidates[node] = out[:, row], cand[:, row]
+        parents_arr = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), tokens.shape)
+        return Draft(tokens=tokens, num_draft=jnp.full((batch,), topo.num_nodes, jnp.int32), parents=parents_arr)
 
     def _tree(self, params, state: EagleState) -> Draft:
         head = nnx.merge(self.graphdef, params["head"])
