@@ -238,3 +238,13 @@ def test_head_errors(tiny_lm, head_files, tmp_path):
         SpecConfig(method="eagle2", num_speculative_tokens=99, tree_depth=2, tree_top_k=3)
     with pytest.raises(ValueError, match="tree_top_k=0"):
         SpecConfig(method="eagle2", tree_top_k=0)
+
+
+def test_oracle_tree_with_the_pallas_kernel(tiny_lm, prompts, plain):
+    """Tree verification through the Pallas kernel (interpret mode on CPU) with its ancestor mask."""
+    proposer = OracleTreeProposer(TOPOLOGY.num_nodes, TOPOLOGY, (0, 0, 1, 1), vocab=97)
+    spec = SpecConfig(method="custom", num_speculative_tokens=TOPOLOGY.num_nodes, proposer=proposer,
+                      proposer_params=_known(prompts, plain, 128)[:1])
+    out = jaxspec.generate(tiny_lm, prompts[:1], max_new_tokens=12, spec=spec, attention_impl="pallas")
+    assert out.token_ids[0] == plain.token_ids[0][:12]
+    assert out.stats.mean_acceptance_length > 2
