@@ -1,0 +1,17 @@
+"""Training of drafter heads (Medusa, EAGLE) on the target's self-distilled data, installed as ``jaxspec.train``.
+
+    python -m jaxspec.train.eagle --help
+    python -m jaxspec.train.medusa --help
+
+Modules: `prompts` (HumanEval split, standard-library prompts), `data` (generation and on-disk shards),
+`batches` (resumable windows), `losses`, `evaluate`, `loop` (optimizer, step, checkpoints), `cli`, and one
+small module per head (`eagle`, `medusa`).
+"""
+
+from .batches import Batch, Batches, WindowSpec
+from .data import GenerationSettings, SelfDistillData, ensure_dataset
+from .loop import TrainConfig, TrainResult, evaluate_head, train
+from .prompts import humaneval_split, stdlib_prompts
+
+__all__ = ["Batch", "Batches", "GenerationSettings", "SelfDistillData", "TrainConfig", "TrainResult", "WindowSpec",
+           "ensure_dataset", "evaluate_head", "humaneval_split", "stdlib_prompts", "train"]

