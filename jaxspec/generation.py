@@ -169,7 +169,8 @@ def trained_head(lm: LanguageModel, spec: SpecConfig):
     """(graphdef, params, metadata) of the head `spec` runs: its `head_path`, or the one shipped for `lm`."""
     kind = HEAD_METHODS[spec.method]
     path = Path(spec.head_path) if spec.head_path is not None else named_head_path(lm.name, kind)
-    path = path.with_suffix(".safetensors")
+    if path.suffix != ".safetensors":
+        path = path.with_name(path.name + ".safetensors")
     if not path.exists():
         raise ValueError(f"head_path={str(spec.head_path)!r}: no head file at {str(path)!r}")
     key = (str(path.resolve()), path.stat().st_mtime_ns, lm.config)

@@ -135,6 +135,12 @@ def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int 
     raise ValueError(f"head kind={kind!r} must be 'medusa' or 'eagle'")
 
 
+def _weights_file(path: str | Path) -> Path:
+    """`path` ending in .safetensors, appended (not substituted: "smollm2-135m.eagle" keeps its ".eagle")."""
+    path = Path(path)
+    return path if path.suffix == ".safetensors" else path.with_name(path.name + ".safetensors")
+
+
 def _flat(state: nnx.State) -> dict[str, np.ndarray]:
     return {".".join(map(str, path)): np.asarray(v[...] if hasattr(v, "get_value") else v)
             for path, v in nnx.to_flat_state(state)}
@@ -144,7 +150,7 @@ def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any
     """Write `head`'s parameters (float16) to `path` (.safetensors) and its metadata next to it (.json)."""
     from safetensors.numpy import save_file
 
-    path = Path(path).with_suffix(".safetensors")
+    path = _weights_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _, state = nnx.split(head)
     save_file({k: v.astype(np.float16) for k, v in _flat(state).items()}, str(path))
@@ -157,7 +163,7 @@ def load_head(path: str | Path, cfg: ModelConfig):
     """(head module, metadata) from a file written by `save_head`, for a target of config `cfg`."""
     from safetensors.numpy import load_file
 
-    path = Path(path).with_suffix(".safetensors")
+    path = _weights_file(path)
     if not path.exists():
         raise ValueError(f"head file {str(path)!r} does not exist")
     meta = json.loads(path.with_suffix(".json").read_text())
