@@ -19,4 +19,5 @@ bench: install
 	$(PYTHON) -m pip install -q -e ".[bench,peers]"
 	$(PYTHON) scripts/bench.py
 	$(PYTHON) scripts/bench.py --spec --peers
+	$(PYTHON) scripts/bench.py --heads
 	$(PYTHON) scripts/bench_serve.py

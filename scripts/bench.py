@@ -9,6 +9,7 @@ in the same process, and the report gives jaxspec / peer ratios and checks the g
     python scripts/bench.py                  # table on stdout, JSON in bench_out/bench.json
     python scripts/bench.py --peers          # needs: pip install -e ".[peers]"
     python scripts/bench.py --spec [ARGS]    # speculative decoding: runs scripts/bench_spec.py with ARGS
+    python scripts/bench.py --heads [ARGS]   # trained heads (medusa, eagle, eagle2): scripts/bench_heads.py
 """
 
 from __future__ import annotations
@@ -108,9 +109,15 @@ def main(argv=None) -> int:
         import bench_spec
 
         return bench_spec.main([a for a in argv if a != "--spec"])
+    if "--heads" in argv:
+        import bench_heads
+
+        return bench_heads.main([a for a in argv if a != "--heads"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spec", action="store_true",
                         help="benchmark speculative decoding instead: the other arguments go to scripts/bench_spec.py")
+    parser.add_argument("--heads", action="store_true",
+                        help="benchmark the trained heads instead: the other arguments go to scripts/bench_heads.py")
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default: %(default)s)")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="prefill prompt length (default: %(default)s)")
