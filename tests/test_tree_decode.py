@@ -155,6 +155,12 @@ def test_head_proposers_seeded_sampling(tiny_lm, prompts, head_files, spec_kwarg
         assert out.token_ids == ref.token_ids
 
 
+def _draft(proposer, params, ctx, keys) -> Draft:
+    """init then propose, jitted as the decode loop runs them (one compile, not one per eager op)."""
+    run = jax.jit(lambda params, ctx, keys: proposer.propose(params, proposer.init(params, ctx), ctx, keys)[0])
+    return run(params, ctx, keys)
+
+
 def _eagle_params(tiny_lm, head_file):
     head, _ = jaxspec.models.heads.load_head(head_file, tiny_lm.config)
     graphdef, state = nnx.split(head)
@@ -182,12 +188,12 @@ def test_eagle_update_matches_a_fresh_prefill(tiny_lm, head_files):
     seq = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
     short_ctx, _ = _prompt_ctx(tiny_lm, seq[:6])
     long_ctx, long_hidden = _prompt_ctx(tiny_lm, seq)
-    state = proposer.init(params, short_ctx)
+    state = jax.jit(proposer.init)(params, short_ctx)
     # Committed: tokens seq[6:10] produced by the features at positions 5..8.
     committed = Committed(tokens=jnp.asarray([seq[6:10] + [-1]]), num=jnp.asarray([4]),
                           features=jnp.pad(long_hidden[:, 5:9], ((0, 0), (0, 1), (0, 0))))
-    updated = proposer.update(params, state, long_ctx, committed)
-    fresh = proposer.init(params, long_ctx)
+    updated = jax.jit(proposer.update)(params, state, long_ctx, committed)
+    fresh = jax.jit(proposer.init)(params, long_ctx)
     assert int(updated.cache.lengths[0]) == int(fresh.cache.lengths[0]) == 9
     np.testing.assert_allclose(np.asarray(updated.pred), np.asarray(fresh.pred), atol=2e-5)
 
@@ -200,12 +206,12 @@ def test_eagle_tree_with_one_child_per_level_is_the_greedy_chain(tiny_lm, head_f
     chain = EagleProposer(5, graphdef, cache_len=64)
     tree = EagleProposer(5, graphdef, cache_len=64, mode="tree", depth=5, top_k=1)
     keys = jax.vmap(jax.random.key)(jnp.zeros((1,), jnp.uint32))
-    chain_draft, _ = chain.propose(params, chain.init(params, ctx), ctx, keys)
-    tree_draft, _ = tree.propose(params, tree.init(params, ctx), ctx, keys)
+    chain_draft = _draft(chain, params, ctx, keys)
+    tree_draft = _draft(tree, params, ctx, keys)
     assert tree_draft.tokens.tolist() == chain_draft.tokens.tolist()
     assert tree_draft.parents.tolist() == [[0, 1, 2, 3, 4]]
     static = EagleProposer(5, graphdef, cache_len=64, mode="static", topology=jaxspec.TreeTopology.chain(5))
-    static_draft, _ = static.propose(params, static.init(params, ctx), ctx, keys)
+    static_draft = _draft(static, params, ctx, keys)
     assert static_draft.tokens.tolist() == chain_draft.tokens.tolist()
 
 
@@ -217,9 +223,9 @@ def test_eagle_static_tree_children_are_each_nodes_ranked_candidates(tiny_lm, he
     keys = jax.vmap(jax.random.key)(jnp.zeros((1,), jnp.uint32))
     topo = TreeTopology.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     static = EagleProposer(topo.num_nodes, graphdef, cache_len=64, mode="static", topology=topo)
-    draft, _ = static.propose(params, static.init(params, ctx), ctx, keys)
+    draft = _draft(static, params, ctx, keys)
     chain = EagleProposer(3, graphdef, cache_len=64)
-    chain_draft, _ = chain.propose(params, chain.init(params, ctx), ctx, keys)
+    chain_draft = _draft(chain, params, ctx, keys)
     tokens = draft.tokens[0].tolist()
     assert [tokens[0], tokens[3], tokens[6]] == chain_draft.tokens[0].tolist()  # paths (0,), (0,0), (0,0,0)
     assert len({tokens[0], tokens[1], tokens[2]}) == 3 and tokens[3] != tokens[4]
