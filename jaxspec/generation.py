@@ -114,7 +114,8 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def _normalise_prompts(lm: LanguageModel, prompts) -> list[list[int]]:
+def normalise_prompts(lm: LanguageModel, prompts) -> list[list[int]]:
+    """Token-id lists from one prompt or a list (strings encoded with the model's tokenizer, ids checked)."""
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                     and all(isinstance(t, (int, np.integer)) for t in prompts)):
         prompts = [prompts]
@@ -256,7 +257,7 @@ def generate(
         attention_impl = default_attention_impl()
     if attention_impl not in ("xla", "pallas"):
         raise ValueError(f"attention_impl={attention_impl!r} must be 'xla' or 'pallas'")
-    ids = _normalise_prompts(lm, prompts)
+    ids = normalise_prompts(lm, prompts)
     batch = len(ids)
     limit = lm.config.max_position_embeddings if max_cache_len is None else max_cache_len
     for i, p in enumerate(ids):

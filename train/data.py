@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 import jaxspec
 from jaxspec import SamplingParams
+from jaxspec.generation import normalise_prompts
 from jaxspec.models.loading import LanguageModel
 
 from .prompts import humaneval_split, stdlib_prompts  # noqa: F401  (humaneval_split: the benchmark imports it here)
@@ -61,17 +62,8 @@ class GenerationSettings:
 
 
 def token_prompts(lm: LanguageModel, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
-    """Token ids of each prompt, encoded as `jaxspec.generate` encodes text."""
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if lm.tokenizer is None:
-                raise ValueError(f"prompt {i} is text but model {lm.name!r} has no tokenizer; pass token ids")
-            p = lm.tokenizer.encode(p)
-        out.append([int(t) for t in p])
-        if not out[-1]:
-            raise ValueError(f"prompt {i} is empty")
-    return out
+    """Token ids of each prompt, encoded and checked as `jaxspec.generate` does it."""
+    return normalise_prompts(lm, list(prompts))
 
 
 def dataset_key(lm: LanguageModel, prompt_ids: list[list[int]], sources: dict[str, int],
