@@ -166,9 +166,9 @@ def _score_and_verify(model, width: int, state: DecodeState, draft: Draft, num_d
     return tokens, num, cache, features
 
 
-def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, num_nodes: jax.Array,
-                           max_draft: jax.Array, sampling: SamplingParams, k: int, max_depth: int,
-                           attention_impl: str, want_features: bool):
+def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, node_depth: jax.Array,
+                           num_nodes: jax.Array, max_draft: jax.Array, sampling: SamplingParams, k: int,
+                           max_depth: int, attention_impl: str, want_features: bool):
     """The tree version: one forward over the root and the first `width - 1` draft nodes under their ancestor
     mask, verification along the tree, and the accepted path's K/V moved to contiguous slots.
 
@@ -179,7 +179,7 @@ def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, 
     n = width - 1
     tokens, parents = draft.tokens[:, :n], draft.parents[:, :n]  # [B, n]
     fed = jnp.concatenate([state.last_tokens[:, None], tokens], axis=1)  # [B, width]: root, then the nodes
-    depth = depths(parents)  # i32[B, width]
+    depth = node_depth[:, :width]  # i32[B, width]: a parent precedes its child, so a prefix keeps its depths
     out, cache = model(fed, cache.lengths[:, None] + depth, cache, tree_mask=tree_ancestor_mask(parents),
                        attention_impl=attention_impl)
     # Nodes past the row's node count, or deeper than it may still emit, are never accepted.
@@ -206,6 +206,7 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     draft, pstate = proposer.propose(proposer_params, state.pstate, ctx, keys)
     want_features = getattr(proposer, "needs_features", False)
     is_tree = draft.parents is not None
+    node_depth = depths(draft.parents) if is_tree else None  # i32[B, K+1], the root included
     # A chain's drafts are its depth; a tree's nodes are bounded by the node count, its depth by max_draft.
     num_draft = jnp.where(ctx.max_draft > 0, draft.num_draft, 0) if is_tree else jnp.minimum(draft.num_draft,
                                                                                                ctx.max_draft)
@@ -215,8 +216,9 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     def branch(width):
         n = jnp.minimum(num_draft, width - 1)
         if is_tree:
-            return lambda: _score_and_verify_tree(model, width, state, draft, n, ctx.max_draft, sampling, k,
-                                                  getattr(proposer, "max_depth", k), attention_impl, want_features)
+            return lambda: _score_and_verify_tree(model, width, state, draft, node_depth, n, ctx.max_draft,
+                                                  sampling, k, getattr(proposer, "max_depth", k), attention_impl,
+                                                  want_features)
         return lambda: _score_and_verify(model, width, state, draft, n, sampling, k, attention_impl, want_features)
 
     if len(widths) == 1:
@@ -246,9 +248,8 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     # Per-position counts are by depth: a tree drafts at depth j when one of its scored nodes is that deep.
     draft_depth = num_draft
     if is_tree:
-        node_depth = depths(draft.parents)[:, 1:]  # i32[B, K]
         scored = jnp.arange(k) < num_draft[:, None]
-        draft_depth = jnp.minimum(jnp.max(jnp.where(scored, node_depth, 0), axis=1), ctx.max_draft)
+        draft_depth = jnp.minimum(jnp.max(jnp.where(scored, node_depth[:, 1:], 0), axis=1), ctx.max_draft)
     counters = SpecCounters(
         steps=c.steps + active, drafted=c.drafted + jnp.where(active, num_draft, 0), accepted=c.accepted + accepted,
         drafted_at=c.drafted_at + (active[:, None] & (pos < draft_depth[:, None])),
