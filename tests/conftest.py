@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -51,6 +52,21 @@ TINY = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_laye
 def tiny_lm():
     """A random model small enough to compile in a second (no tokenizer: prompts are token ids)."""
     return jaxspec.LanguageModel.from_module(Llama(TINY, rngs=nnx.Rngs(0)), name="tiny")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module.
+
+    XLA:CPU maps three memory regions (code, constants, data) for each kernel of a loaded executable and
+    unmaps them only when the executable dies. jit caches keep every executable alive, so one process
+    running the whole suite passed Linux's `vm.max_map_count` (65530) around test_tree_decode, and the
+    next executable load segfaulted inside XLA. Clearing the caches frees the mappings; programs a later
+    module needs again come back from the persistent compilation cache.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_configure(config):
