@@ -20,12 +20,13 @@ from jaxspec.train import (Batches, GenerationSettings, SelfDistillData, TrainCo
 from jaxspec.train.cli import build_parser
 from jaxspec.train.data import MANIFEST
 from jaxspec.train.eagle import EagleTask
-from jaxspec.train.evaluate import eagle_chains
+from jaxspec.train.losses import eagle_chains
 from jaxspec.train.medusa import MedusaTask
 
 GEN = GenerationSettings(gen_tokens=24, gen_batch=4)
-TASKS = {"eagle": EagleTask(context=4, noise=0.05), "medusa": MedusaTask(num_heads=3)}
-LR = {"eagle": 3e-3, "medusa": 2e-2}
+TASKS = {"eagle": EagleTask(context=4, noise=0.05), "medusa": MedusaTask(num_heads=3),
+         "eagle-unrolled": EagleTask(context=4, noise=0.05, unroll=3, unroll_decay=0.8)}
+LR = {"eagle": 3e-3, "medusa": 2e-2, "eagle-unrolled": 3e-3}
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -160,7 +161,7 @@ def runs(tiny_lm, data, readout, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-unrolled"])
 def test_loss_falls(runs, kind):
     result = runs(kind)
     losses = [h["loss"] for h in result.history]
@@ -168,7 +169,7 @@ def test_loss_falls(runs, kind):
     assert np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5])
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-unrolled"])
 def test_resume_gives_the_losses_of_an_uninterrupted_run(runs, kind, tiny_lm, data, readout, tmp_path):
     reference = runs(kind)
     task = TASKS[kind]
@@ -230,6 +231,33 @@ def test_eagle_chains_match_sequential_drafting(runs, data, readout):
             np.testing.assert_allclose(pred[0], chains[s - 1, 0, t + s - 1], atol=1e-4)
 
 
+def test_unrolled_loss_scores_the_drafting_chains(runs, data, readout):
+    """Step s of the unrolled loss scores exactly the chains evaluation scores (and drafting runs, see the test
+    above); its step 1 is the teacher-forced loss."""
+    head, decay = runs("eagle").head, 0.5
+    one = dataclasses.replace(TASKS["eagle"], noise=0.0)
+    three = dataclasses.replace(one, unroll=3, unroll_decay=decay)
+    fn = _jitted(lambda h, b: (one.loss(h, readout, b, None), three.loss(h, readout, b, None),
+                               three.eval_counts(h, readout, b)), head)
+    for batch in list(Batches(data, _spec(one), 4).in_order())[:3]:
+        (loss1, m1), (loss3, m3), counts = fn(batch)
+        np.testing.assert_allclose(m3["reg"], m1["reg"], rtol=1e-6)
+        np.testing.assert_allclose(m3["cls"], m1["cls"], rtol=1e-6)
+        assert "step_accuracy" not in m1 and m3["step_accuracy"].shape == (3,)
+        for s in range(1, 4):
+            want = float(counts[f"right_{s}"]) / max(float(counts[f"scored_{s}"]), 1)
+            assert float(m3["step_accuracy"][s - 1]) == pytest.approx(want, abs=1e-6)
+        assert float(counts["scored_3"]) > 0
+        assert float(loss3) > float(loss1)  # later steps add positive terms
+    # Gradients reach step 1's parameters through the chain: unrolling changes them.
+    graphdef, params = nnx.split(head)
+    batch = Batches(data, _spec(one), 4).batch(0)
+    grad = jax.jit(jax.grad(lambda p, task: task.loss(nnx.merge(graphdef, p), readout, batch, None)[0]),
+                   static_argnums=1)
+    g1, g3 = grad(params, one), grad(params, three)
+    assert not np.allclose(np.asarray(g1["fc"][...]), np.asarray(g3["fc"][...]))
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_evaluation_summaries(runs, kind, data, readout):
     result = runs(kind)
@@ -265,7 +293,7 @@ def test_cli_help_explains_every_option(kind):
     options = ["--model", "--out", "--data", "--stdlib-prompts", "--gen-tokens", "--temperature", "--seq-len",
                "--batch-size", "--steps", "--epochs", "--lr", "--warmup-steps", "--weight-decay", "--clip",
                "--save-every", "--keep", "--seed", "--restart", "--eval-only", "--ship"]
-    options += ["--w-cls", "--noise", "--context"] if kind == "eagle" else ["--num-heads", "--decay"]
+    options += ["--w-cls", "--noise", "--context", "--unroll", "--unroll-decay"] if kind == "eagle" else ["--num-heads", "--decay"]
     for option in options:
         assert option in out.stdout
     # Every option explains itself.
@@ -278,6 +306,7 @@ def test_cli_help_explains_every_option(kind):
     ("eagle", ["--lr", "-1"], "--lr: '-1' must be > 0"),
     ("medusa", ["--decay", "1.5"], "--decay: '1.5' must be in (0.0, 1.0]"),
     ("eagle", ["--context", "200", "--seq-len", "64"], "context=200 must be below seq_len=64"),
+    ("eagle", ["--unroll", "0"], "--unroll: '0' must be > 0"),
     ("medusa", ["--steps", "10", "--epochs", "2"], "not allowed with argument"),
 ])
 def test_cli_rejects_bad_arguments_before_loading_anything(kind, argv, message, capsys):

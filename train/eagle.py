@@ -28,6 +28,8 @@ class EagleTask:
     w_cls: float = 0.1  # weight of the token (classification) loss, as in the EAGLE paper
     noise: float = 0.1  # U(-noise, noise) added to the input features during training
     context: int = 16  # window positions before the loss region (attention context)
+    unroll: int = 1  # drafting steps trained per position (>1: from the head's own features, see eagle_loss)
+    unroll_decay: float = 1.0  # weight of step s's loss: unroll_decay ** (s - 1)
     eval_depth: int = 4  # drafting steps scored at evaluation
 
     kind = "eagle"
@@ -41,6 +43,10 @@ class EagleTask:
             raise ValueError(f"noise={self.noise!r} must be >= 0")
         if self.context < 0:
             raise ValueError(f"context={self.context!r} must be >= 0")
+        if self.unroll < 1:
+            raise ValueError(f"unroll={self.unroll!r} must be >= 1")
+        if not self.unroll_decay > 0:
+            raise ValueError(f"unroll_decay={self.unroll_decay!r} must be > 0")
         if self.eval_depth < 1:
             raise ValueError(f"eval_depth={self.eval_depth!r} must be >= 1")
 
@@ -48,7 +54,8 @@ class EagleTask:
         return EagleHead(cfg, rngs=nnx.Rngs(seed))
 
     def loss(self, head, readout, batch, key):
-        return eagle_loss(head, readout, batch, key, w_cls=self.w_cls, noise=self.noise)
+        return eagle_loss(head, readout, batch, key, w_cls=self.w_cls, noise=self.noise, unroll=self.unroll,
+                          unroll_decay=self.unroll_decay)
 
     def eval_counts(self, head, readout, batch):
         return eagle_counts(head, readout, batch, depth=self.eval_depth)
@@ -58,7 +65,8 @@ class EagleTask:
 
     def settings(self) -> dict:
         """What training depends on (a resumed run must match it); evaluation settings may change."""
-        return {"w_cls": self.w_cls, "noise": self.noise, "context": self.context}
+        return {"w_cls": self.w_cls, "noise": self.noise, "context": self.context, "unroll": self.unroll,
+                "unroll_decay": self.unroll_decay}
 
 
 # SmolLM2-135M on 2 shared cores: ~2-3 s per step of 4 windows x 144 positions, so 200 steps take ~10 min
@@ -78,10 +86,18 @@ def add_options(parser: argparse.ArgumentParser):
     g.add_argument("--context", type=cli.nonnegative(int), default=EagleTask.context,
                    help="positions at the start of each window that only serve as attention context (they "
                         "precede the window's loss region); must be below --seq-len (default: %(default)s)")
+    g.add_argument("--unroll", type=cli.positive(int), default=EagleTask.unroll,
+                   help="drafting steps trained at every position: 1 trains on the target's features only "
+                        "(EAGLE-1/2); N > 1 also runs steps 2..N from the head's own predicted features, as "
+                        "drafting does (HASS, EAGLE-3's training-time test), at about N times the cost of a "
+                        "step (default: %(default)s)")
+    g.add_argument("--unroll-decay", type=cli.positive(float), default=EagleTask.unroll_decay,
+                   help="weight of drafting step s's loss is DECAY ** (s - 1) (default: %(default)s)")
 
 
 def make_task(args: argparse.Namespace) -> EagleTask:
-    return EagleTask(w_cls=args.w_cls, noise=args.noise, context=args.context, eval_depth=args.eval_k)
+    return EagleTask(w_cls=args.w_cls, noise=args.noise, context=args.context, unroll=args.unroll,
+                     unroll_decay=args.unroll_decay, eval_depth=args.eval_k)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,44 +18,12 @@ import jaxspec
 from jaxspec.models.heads import EagleHead, MedusaHeads, Readout
 
 from .batches import Batch
-from .losses import medusa_targets
-
-
-def _shift(x: jax.Array, fill) -> jax.Array:
-    """x [B, T, ...] moved one position later along T: out[:, j] = x[:, j - 1], out[:, 0] = fill."""
-    return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
-
-
-def eagle_chains(head: EagleHead, readout: Readout, batch: Batch, *, depth: int) -> jax.Array:
-    """f32[depth, B, T, D]: step s's predicted feature (s = 1..depth) of the chain ending at pair j.
-
-    A chain starts at pair t with the target's features: step 1 at j = t predicts f_{t+1}; step s >= 2 at
-    j = t + s - 1 reads the head's own step-(s - 1) prediction from j - 1 and the true token x_{j+1} (the
-    tokens a greedy chain feeds while its drafts are being accepted). All chains run at once: step s writes
-    its pairs into block s - 1 of a cache of depth * T slots, and its query at j sees the true pairs up to
-    the chain's start t = j - s + 1 plus the chain's own pairs of steps 2..s: the slots drafting writes.
-    """
-    B, T = batch.inputs.shape
-    features = batch.features.astype(jnp.float32)
-    embeds = readout.embed_tokens(batch.tokens[:, 1:T + 1])  # [B, T, D]
-    slots = jnp.arange(depth * T)
-    block, col = slots // T, slots % T  # [S]
-    j = jnp.arange(T)[:, None]  # [T, 1]
-    cache = head.new_cache(B, depth * T)
-    feature, preds = features[:, :T], []
-    for s in range(1, depth + 1):
-        visible = jnp.where(block == 0, col <= j - s + 1, (block < s) & (col == j - s + block + 1))  # [T, S]
-        pred, cache = head(embeds, feature, batch.positions, cache,
-                           write_at=jnp.full((B,), (s - 1) * T, jnp.int32),
-                           visible=jnp.broadcast_to(visible, (B, T, depth * T)))
-        preds.append(pred)
-        feature = _shift(pred, 0.0)
-    return jnp.stack(preds)
+from .losses import eagle_chains, medusa_targets, shift
 
 
 def eagle_counts(head: EagleHead, readout: Readout, batch: Batch, *, depth: int) -> dict[str, jax.Array]:
     """Sums over a batch, for each drafting step s = 1..depth: chains whose step s is scored, those whose
-    step-s token is the target's, and those whose steps 1..s are all the target's (see `eagle_chains`)."""
+    step-s token is the target's, and those whose steps 1..s are all the target's (see `losses.eagle_chains`)."""
     T = batch.inputs.shape[1]
     target = jnp.argmax(readout.logits(batch.features[:, 1:T + 1].astype(jnp.float32)), -1)  # [B, T]: x_{j+2}
     ok = batch.inputs & batch.label_ok[:, 1:T + 1]  # [B, T]
@@ -63,8 +31,8 @@ def eagle_counts(head: EagleHead, readout: Readout, batch: Batch, *, depth: int)
     for s, pred in enumerate(eagle_chains(head, readout, batch, depth=depth), start=1):
         right = jnp.argmax(readout.logits(pred), -1) == target
         if s > 1:  # the chain's start and every label along it must count
-            valid = _shift(valid, False) & ok
-            prefix = _shift(prefix, False) & right
+            valid = shift(valid, False) & ok
+            prefix = shift(prefix, False) & right
         else:
             prefix = right
         counts[f"scored_{s}"] = jnp.sum(valid)

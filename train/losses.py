@@ -20,31 +20,79 @@ def _masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     return jnp.sum(jnp.where(mask, x, 0.0), axis=axis) / jnp.maximum(jnp.sum(mask, axis=axis), 1)
 
 
+def shift(x: jax.Array, fill) -> jax.Array:
+    """x [B, T, ...] moved one position later along T: out[:, j] = x[:, j - 1], out[:, 0] = fill."""
+    return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
+
+
+def eagle_chains(head: EagleHead, readout: Readout, batch: Batch, *, depth: int,
+                 first: jax.Array | None = None) -> jax.Array:
+    """f32[depth, B, T, D]: step s's predicted feature (s = 1..depth) of the chain ending at pair j.
+
+    A chain starts at pair t with the target's features (or `first` [B, T, D], e.g. noised ones): step 1
+    at j = t predicts f_{t+1}; step s >= 2 at j = t + s - 1 reads the head's own step-(s - 1) prediction
+    from j - 1 and the true token x_{j+1} (the tokens a greedy chain feeds while its drafts are being
+    accepted). All chains run at once: step s writes its pairs into block s - 1 of a cache of depth * T
+    slots, and its query at j sees the true pairs up to the chain's start t = j - s + 1 plus the chain's
+    own pairs of steps 2..s: the slots drafting writes.
+    """
+    B, T = batch.inputs.shape
+    embeds = readout.embed_tokens(batch.tokens[:, 1:T + 1])  # [B, T, D]
+    slots = jnp.arange(depth * T)
+    block, col = slots // T, slots % T  # [S]
+    j = jnp.arange(T)[:, None]  # [T, 1]
+    cache = head.new_cache(B, depth * T)
+    feature = batch.features[:, :T].astype(jnp.float32) if first is None else first
+    preds = []
+    for s in range(1, depth + 1):
+        visible = jnp.where(block == 0, col <= j - s + 1, (block < s) & (col == j - s + block + 1))  # [T, S]
+        pred, cache = head(embeds, feature, batch.positions, cache,
+                           write_at=jnp.full((B,), (s - 1) * T, jnp.int32),
+                           visible=jnp.broadcast_to(visible, (B, T, depth * T)))
+        preds.append(pred)
+        feature = shift(pred, 0.0)
+    return jnp.stack(preds)
+
+
 def eagle_loss(head: EagleHead, readout: Readout, batch: Batch, key: jax.Array, *, w_cls: float = 0.1,
-               noise: float = 0.0) -> tuple[jax.Array, dict]:
+               noise: float = 0.0, unroll: int = 1, unroll_decay: float = 1.0) -> tuple[jax.Array, dict]:
     """EAGLE: SmoothL1 (beta 1) on the next feature + w_cls * soft-label cross-entropy on its token.
 
     Pair j reads (f_j, embedding of x_{j+1}) and predicts f_{j+1}; the label distribution is the target's own,
     softmax(readout.logits(f_{j+1})), the distribution of x_{j+2}. `noise` adds U(-noise, noise) to the input
     features (EAGLE's remedy for drafting from its own, imperfect features at inference).
+
+    `unroll` > 1 also trains drafting steps 2..unroll the way drafting runs them (`eagle_chains`): from the
+    head's own predicted features, attending to the chain's own earlier pairs, as in HASS and EAGLE-3's
+    "training-time test". Teacher-forced training (unroll 1) never shows the head its own features, and
+    held-out accuracy drops from step 1 to step 2 by a third. Step s's loss is weighted unroll_decay**(s-1)
+    and counts where the chain's start and every label along it count; gradients flow through the chain.
     """
     B, T = batch.inputs.shape
     features = batch.features.astype(jnp.float32)
     f_in, f_next = features[:, :T], features[:, 1:T + 1]  # [B, T, D]
     if noise > 0:
         f_in = f_in + jax.random.uniform(key, f_in.shape, minval=-noise, maxval=noise)
-    embeds = readout.embed_tokens(batch.tokens[:, 1:T + 1])  # [B, T, D]
-    pred, _ = head(embeds, f_in, batch.positions, head.new_cache(B, T))  # [B, T, D]
-    mask = batch.inputs & batch.label_ok[:, 1:T + 1]  # [B, T]
+    target_logits = jax.lax.stop_gradient(readout.logits(f_next))  # f32[B, T, V]: the target's x_{j+2}
+    target_probs = jax.nn.softmax(target_logits, axis=-1)
+    target_tokens = jnp.argmax(target_logits, -1)  # [B, T]
+    ok = batch.inputs & batch.label_ok[:, 1:T + 1]  # [B, T]
 
-    reg = jnp.mean(optax.huber_loss(pred, f_next, delta=1.0), axis=-1)  # [B, T]
-    logits = readout.logits(pred)  # f32[B, T, V]
-    target_logits = jax.lax.stop_gradient(readout.logits(f_next))
-    cls = optax.softmax_cross_entropy(logits, jax.nn.softmax(target_logits, axis=-1))  # [B, T]
-    loss = _masked_mean(reg + w_cls * cls, mask)
-    correct = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
-    metrics = {"loss": loss, "reg": _masked_mean(reg, mask), "cls": _masked_mean(cls, mask),
-               "accuracy": _masked_mean(correct, mask), "tokens": jnp.sum(mask)}
+    loss, per_step, mask = 0.0, [], ok
+    for s, pred in enumerate(eagle_chains(head, readout, batch, depth=unroll, first=f_in), start=1):
+        if s > 1:
+            mask = shift(mask, False) & ok
+        reg = jnp.mean(optax.huber_loss(pred, f_next, delta=1.0), axis=-1)  # [B, T]
+        logits = readout.logits(pred)  # f32[B, T, V]
+        cls = optax.softmax_cross_entropy(logits, target_probs)  # [B, T]
+        step_loss = _masked_mean(reg + w_cls * cls, mask)
+        loss = loss + unroll_decay ** (s - 1) * step_loss
+        per_step.append({"loss": step_loss, "reg": _masked_mean(reg, mask), "cls": _masked_mean(cls, mask),
+                         "accuracy": _masked_mean(jnp.argmax(logits, -1) == target_tokens, mask),
+                         "tokens": jnp.sum(mask)})
+    metrics = dict(per_step[0], loss=loss)
+    if unroll > 1:
+        metrics["step_accuracy"] = jnp.stack([m["accuracy"] for m in per_step])  # [unroll]
     return loss, metrics
 
 
