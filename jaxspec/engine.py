@@ -63,7 +63,7 @@ class EngineConfig:
     spec: SpecConfig = dataclasses.field(default_factory=lambda: SpecConfig(method="sam"))  # default method, K
     methods: tuple[str, ...] = SERVABLE_METHODS  # proposers compiled in; each request picks one
     chunk_steps: int = 8  # decode steps between host visits (streaming granularity)
-    max_waiting: int = 256  # queued requests beyond this are refused (QueueFull)
+    max_waiting: int = 256  # requests queued beyond the free slots; more are refused (QueueFull). 0: no queue
     slot_buckets: tuple[int, ...] | None = None  # compiled batch sizes; default 1 and multiples of 8
     attention_impl: str | None = None
 
@@ -289,8 +289,12 @@ class Engine:
                 raise EngineStopped("the server is shutting down")
             if self.failed is not None:
                 raise EngineStopped(f"the engine failed: {self.failed!r}")
-            if len(self._waiting) >= self.config.max_waiting:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_waiting="
+            # Waiting requests that free slots will take at the next visit are not queued for long: only
+            # the rest count against max_waiting, so max_waiting=0 still serves up to max_slots at once.
+            # (The engine thread fills slots; a count that is one visit stale only shifts this by a chunk.)
+            free = self.config.max_slots - self.num_active
+            if len(self._waiting) - free >= self.config.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting for {free} free slots (max_waiting="
                                 f"{self.config.max_waiting}); retry later")
             live = _Live(request_id=next(self._ids), request=request, callback=callback, method=method,
                          stop_ids=stop_ids, submitted=time.perf_counter())

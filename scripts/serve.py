@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode steps between host visits: tokens stream in chunks of this many steps, and "
                         "new requests join between chunks (default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=256,
-                   help="queued requests beyond this get HTTP 429 (default: %(default)s)")
+                   help="requests queued beyond the free slots; more get HTTP 429; 0 serves only what the slots "
+                        "hold (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling every batch size before listening (the first requests then wait)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,

@@ -384,17 +384,21 @@ def test_a_failing_callback_does_not_stop_the_others(tiny_lm):
 # ---------------------------------------------------------------------- queue, validation, shutdown
 
 
-def test_queue_full(tiny_lm, fresh_engine):
-    engine = fresh_engine(dataclasses.replace(CONFIG, max_waiting=1))
-    first = Collector()
-    engine.submit(Request(PROMPTS[0], N), first)  # not started: it waits
-    with pytest.raises(QueueFull, match="max_waiting=1"):
-        engine.submit(Request(PROMPTS[1], N), Collector())
-    assert engine.metrics.requests_waiting == 1
+@pytest.mark.parametrize("max_waiting", [0, 1])
+def test_queue_full(tiny_lm, fresh_engine, max_waiting):
+    engine = fresh_engine(dataclasses.replace(CONFIG, max_waiting=max_waiting))
+    accepted = CONFIG.max_slots + max_waiting  # the free slots' requests, then the queue
+    first = [Collector() for _ in range(accepted)]
+    for i, c in enumerate(first):
+        engine.submit(Request(PROMPTS[i], N), c)  # not started: they wait
+    with pytest.raises(QueueFull, match=f"max_waiting={max_waiting}"):
+        engine.submit(Request(PROMPTS[accepted], N), Collector())
+    assert engine.metrics.requests_waiting == accepted
     engine.start(warmup=False)
-    assert first.wait().tokens == offline(tiny_lm, PROMPTS[0])
+    for i, c in enumerate(first):
+        assert c.wait().tokens == offline(tiny_lm, PROMPTS[i])
     # Once the queue drained the engine takes requests again.
-    assert run_all(engine, [Request(PROMPTS[1], N)])[0].tokens == offline(tiny_lm, PROMPTS[1])
+    assert run_all(engine, [Request(PROMPTS[accepted], N)])[0].tokens == offline(tiny_lm, PROMPTS[accepted])
 
 
 @pytest.mark.parametrize("kwargs, match", [
