@@ -311,6 +311,8 @@ class Engine:
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        else:  # never started: no loop will run or fail the queued requests, so fail them here
+            self._fail_all("cancelled")
 
     @property
     def num_active(self) -> int:

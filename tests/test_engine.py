@@ -458,6 +458,19 @@ def test_shutdown_without_drain_cancels_in_flight_and_waiting(tiny_lm, fresh_eng
         engine.submit(Request(PROMPTS[0], 4), Collector())
 
 
+@pytest.mark.parametrize("drain", [True, False])
+def test_shutdown_of_a_never_started_engine_cancels_its_queue(fresh_engine, drain):
+    engine = fresh_engine()
+    waiting = [Collector() for _ in range(2)]
+    for i, c in enumerate(waiting):
+        engine.submit(Request(PROMPTS[i], N), c)
+    engine.shutdown(drain=drain, timeout=1)  # nothing would ever decode them: their clients must hear so
+    for c in waiting:
+        assert c.wait(1).final.finish_reason == "cancelled" and c.tokens == []
+    with pytest.raises(EngineStopped):
+        engine.submit(Request(PROMPTS[0], 4), Collector())
+
+
 def test_shutdown_with_drain_finishes_in_flight_requests(tiny_lm, fresh_engine):
     engine = fresh_engine()
     collectors = [Collector() for _ in range(6)]  # more than the slots: some still wait at shutdown
