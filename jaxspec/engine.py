@@ -48,6 +48,14 @@ _MAX_STOP_IDS = 8
 _PROMPT_BUCKET_MIN = 16
 
 
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve; `field` names the `Request` field at fault (the server maps it)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class QueueFull(RuntimeError):
     """The engine's waiting queue is at `max_waiting`."""
 
@@ -238,36 +246,36 @@ class Engine:
 
     def check_method(self, method: str) -> None:
         if method not in self.config.methods:
-            raise ValueError(f"method={method!r} is not served; choose one of {self.config.methods}")
+            raise InvalidRequest("method", f"method={method!r} is not served; choose one of {self.config.methods}")
 
     def validate(self, request: Request) -> None:
-        """Raise ValueError naming the bad value; the server turns it into HTTP 400."""
+        """Raise InvalidRequest (a ValueError) naming the bad value and its field; the server answers 400."""
         n = len(request.prompt_ids)
         if n == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise InvalidRequest("prompt_ids", "prompt is empty: at least one token is needed")
         vocab = self.lm.config.vocab_size
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt has token id {bad[0]} outside [0, {vocab})")
+            raise InvalidRequest("prompt_ids", f"prompt has token id {bad[0]} outside [0, {vocab})")
         limit = self.config.max_context
         if n >= limit:
-            raise ValueError(f"prompt has {n} tokens; the context holds {limit} (prompt + max_tokens)")
+            raise InvalidRequest("prompt_ids", f"prompt has {n} tokens; the context holds {limit} (prompt + max_tokens)")
         if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-            raise ValueError(f"max_tokens={request.max_tokens!r} must be an integer >= 1")
+            raise InvalidRequest("max_tokens", f"max_tokens={request.max_tokens!r} must be an integer >= 1")
         if n + request.max_tokens > limit:
-            raise ValueError(f"max_tokens={request.max_tokens} with a {n}-token prompt needs "
+            raise InvalidRequest("max_tokens", f"max_tokens={request.max_tokens} with a {n}-token prompt needs "
                              f"{n + request.max_tokens} tokens of context; the context holds {limit}")
         self.check_method(request.method or self.config.spec.method)
         k = request.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k):
-            raise ValueError(f"num_speculative_tokens={k!r} must be an integer in [0, {self.k}]")
+            raise InvalidRequest("num_speculative_tokens", f"num_speculative_tokens={k!r} must be an integer in [0, {self.k}]")
         stops = list(request.stop_token_ids) + ([] if request.ignore_eos else list(self.eos_ids))
         if len(stops) > _MAX_STOP_IDS:
-            raise ValueError(f"stop_token_ids has {len(request.stop_token_ids)} ids; at most "
+            raise InvalidRequest("stop_token_ids", f"stop_token_ids has {len(request.stop_token_ids)} ids; at most "
                              f"{_MAX_STOP_IDS - len(self.eos_ids)} are allowed")
         bad = [t for t in request.stop_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"stop_token_ids has id {bad[0]} outside [0, {vocab})")
+            raise InvalidRequest("stop_token_ids", f"stop_token_ids has id {bad[0]} outside [0, {vocab})")
 
     # ------------------------------------------------------------------ public API
 

@@ -22,7 +22,7 @@ import pytest
 
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
-from jaxspec.engine import Engine, EngineConfig, EngineStopped, Output, QueueFull, Request
+from jaxspec.engine import Engine, EngineConfig, EngineStopped, InvalidRequest, Output, QueueFull, Request
 from jaxspec.policy import AdaptivePolicy, FixedPolicy, OffPolicy
 
 TIMEOUT_S = 300  # the first request of the module waits for the compiles
@@ -420,8 +420,9 @@ def test_queue_full(tiny_lm, fresh_engine, max_waiting):
 def test_validate_names_the_bad_value(idle_engine, kwargs, match):
     engine = idle_engine
     req = Request(**{**dict(prompt_ids=[1] * 10, max_tokens=8), **kwargs})
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidRequest, match=match) as error:
         engine.validate(req)
+    assert error.value.field == next(iter(kwargs))  # the field at fault, for the server's 400
     with pytest.raises(ValueError, match=match):
         engine.submit(req, Collector())
     assert engine.metrics.requests_waiting == 0 and not engine._waiting

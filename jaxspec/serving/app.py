@@ -21,15 +21,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import SamplingParams
-from ..engine import Engine, EngineStopped, Output, QueueFull, Request
+from ..engine import Engine, EngineStopped, InvalidRequest, Output, QueueFull, Request
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse
 from .text import TextStream
 
-# Words that open an engine ValueError message, and the request field each one is about.
-_ENGINE_PARAMS = {"prompt": "prompt", "max_tokens": "max_tokens", "num_speculative_tokens":
-                  "speculative.num_speculative_tokens", "method": "speculative.method",
-                  "stop_token_ids": "stop_token_ids"}
+# The HTTP field behind each engine `Request` field an InvalidRequest names ("prompt_ids": the request's
+# prompt or messages, filled in per endpoint).
+_ENGINE_PARAMS = {"max_tokens": "max_tokens", "num_speculative_tokens": "speculative.num_speculative_tokens",
+                  "method": "speculative.method", "stop_token_ids": "stop_token_ids"}
 
 
 class _Choice:
@@ -144,10 +144,9 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
         for r in requests[:1]:
             try:
                 engine.validate(r)
-            except ValueError as e:
-                word = str(e).split("=")[0].split(" ")[0]
-                param = _ENGINE_PARAMS.get(word, None)
-                raise RequestError(str(e), param=prompt_param if param == "prompt" else param) from None
+            except InvalidRequest as e:
+                param = prompt_param if e.field == "prompt_ids" else _ENGINE_PARAMS[e.field]
+                raise RequestError(str(e), param=param) from None
         return requests
 
     def submit(requests: list[Request], stop: list[str]) -> list[_Choice]:
