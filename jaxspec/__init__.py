@@ -7,6 +7,7 @@ The public API: load a model, generate (plainly or speculatively), and the piece
 from .cache import KVCache
 from .config import SamplingParams, SpecConfig
 from .generation import GenerateResult, GenerateStats, RowStats, generate
+from .logprobs import TokenLogprob
 from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_model
 from .proposers import StaticSuffixAutomaton
 from .rejection import rejection_sample
@@ -24,6 +25,7 @@ __all__ = [
     "SamplingParams",
     "SpecConfig",
     "StaticSuffixAutomaton",
+    "TokenLogprob",
     "TreeTopology",
     "generate",
     "load_model",

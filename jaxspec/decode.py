@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .cache import KVCache
+from . import logprobs as lp
 from .config import SamplingParams
 from .proposers.base import Committed, Context, Draft, Proposer
 from .rejection import rejection_sample
@@ -64,6 +65,7 @@ class DecodeState:
     steps: jax.Array  # i32[]  loop iterations (each one target forward)
     pstate: Any  # the proposer's per-row state
     counters: SpecCounters
+    logprobs: lp.LogprobBuffer | None = None  # beside `history`, when a row asked for log-probabilities
 
     @property
     def num_generated(self) -> jax.Array:
@@ -106,12 +108,16 @@ def _context(state: DecodeState, sampling: SamplingParams, limits: RowLimits, k:
                    positions=state.cache.lengths, active=~state.done)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len", "num_top_logprobs"))
 def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams,
-            limits: RowLimits, proposer_params=None, *, proposer: Proposer = NoProposer(), cache_len: int,
-            buffer_len: int) -> DecodeState:
+            limits: RowLimits, proposer_params=None, logprob_rows: jax.Array | None = None, *,
+            proposer: Proposer = NoProposer(), cache_len: int, buffer_len: int,
+            num_top_logprobs: int = 0) -> DecodeState:
     """Run the prompts (right-padded i32[B, P], true lengths i32[B]), sample each row's first token and
     initialise the proposer.
+
+    With `logprob_rows` (bool[B]) the state records the target's log-probability of every token the marked
+    rows generate, and the `num_top_logprobs` most likely tokens at each position (`jaxspec.logprobs`).
 
     Padding tokens write K/V past a row's length; the length never covers them, so they are overwritten.
     """
@@ -127,9 +133,16 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     history = jnp.zeros((batch, width + buffer_len), jnp.int32).at[:, :width].set(prompts)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
     done = _is_stop(first, limits) | (limits.max_new_tokens <= 1)
+    logprobs = None
+    if logprob_rows is not None:
+        logprobs = lp.LogprobBuffer.zeros(logprob_rows, width + buffer_len, num_top_logprobs)
+        scored = lp.record(logprobs, jnp.ones((batch,), bool),
+                           lambda: lp.score(out.logits, first[:, None], num_top_logprobs))
+        logprobs = lp.write(logprobs, prompt_lens[:, None], scored)
     state = DecodeState(cache=cache, history=history, history_len=prompt_lens + 1, prompt_len=prompt_lens,
                         done=done, steps=jnp.zeros((), jnp.int32), pstate=(),
-                        counters=SpecCounters.zeros(batch, proposer.num_speculative_tokens, buffer_len))
+                        counters=SpecCounters.zeros(batch, proposer.num_speculative_tokens, buffer_len),
+                        logprobs=logprobs)
     k = proposer.num_speculative_tokens
     ctx = _context(state, sampling, limits, k)
     if getattr(proposer, "needs_features", False):
@@ -150,8 +163,8 @@ def _score_and_verify(model, width: int, state: DecodeState, draft: Draft, num_d
                       sampling: SamplingParams, k: int, attention_impl: str, want_features: bool):
     """One target forward over each row's newest token plus its first `width - 1` drafts, then verification.
 
-    Returns (output tokens i32[B, K+1] padded with -1, their count i32[B], the cache with the new K/V, and the
-    target's hidden states at the fed tokens [B, K+1, D] or None).
+    Returns (output tokens i32[B, K+1] padded with -1, their count i32[B], the cache with the new K/V, the
+    target's hidden states at the fed tokens [B, K+1, D] or None, and the outputs' log-probabilities or None).
     """
     cache = state.cache
     fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # [B, width]
@@ -162,8 +175,18 @@ def _score_and_verify(model, width: int, state: DecodeState, draft: Draft, num_d
     # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
     tokens, num = rejection_sample(keys, out.logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
                                    positions=cache.lengths + 1)
+    scored = _logprobs_of(state, lambda: out.logits, tokens, k)
     tokens, features = _pad_outputs(tokens, out.hidden if want_features else None, k)
-    return tokens, num, cache, features
+    return tokens, num, cache, features, scored
+
+
+def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, k: int) -> lp.Scored | None:
+    """The log-probabilities of output tokens i32[B, W] under `logits_fn()` f32[B, W, V], padded to K + 1."""
+    buffer = state.logprobs
+    if buffer is None:
+        return None
+    scored = lp.record(buffer, ~state.done, lambda: lp.score(logits_fn(), tokens, buffer.num_top))
+    return scored.pad(k + 1)
 
 
 def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, node_depth: jax.Array,
@@ -191,8 +214,10 @@ def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, 
     cache = cache.replace(k=tuple(gather_path(b, cache.lengths, path) for b in cache.k),
                           v=tuple(gather_path(b, cache.lengths, path) for b in cache.v))
     features = gather_nodes(out.hidden, path) if want_features else None
+    # Output token j was drawn from the logits of path node j (the root first).
+    scored = _logprobs_of(state, lambda: gather_nodes(out.logits, path), out_tokens, k)
     out_tokens, features = _pad_outputs(out_tokens, features, k)
-    return out_tokens, num, cache, features
+    return out_tokens, num, cache, features, scored
 
 
 def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
@@ -222,10 +247,10 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
         return lambda: _score_and_verify(model, width, state, draft, n, sampling, k, attention_impl, want_features)
 
     if len(widths) == 1:
-        out_tokens, num_out, cache, features = branch(widths[0])()
+        out_tokens, num_out, cache, features, out_logprobs = branch(widths[0])()
     else:
         choice = jnp.sum(jnp.asarray(widths[:-1]) < jnp.max(num_draft) + 1)
-        out_tokens, num_out, cache, features = jax.lax.switch(choice, [branch(w) for w in widths])
+        out_tokens, num_out, cache, features, out_logprobs = jax.lax.switch(choice, [branch(w) for w in widths])
 
     # Commit: keep output tokens up to and including the first stop token, and within the token budget.
     j = jnp.arange(k + 1)
@@ -257,8 +282,9 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
         committed=c.committed.at[jnp.arange(batch), jnp.where(active, c.steps, c.committed.shape[1])].set(
             keep, mode="drop"))
 
+    logprobs = None if out_logprobs is None else lp.write(state.logprobs, slots, out_logprobs)
     new = state.replace(cache=cache, history=history, history_len=history_len, done=done, steps=state.steps + 1,
-                        counters=counters)
+                        counters=counters, logprobs=logprobs)
     committed = Committed(tokens=jnp.where(kept, out_tokens, -1), num=keep, features=features)
     pstate = proposer.update(proposer_params, pstate, _context(new, sampling, limits, k), committed)
     return new.replace(pstate=pstate)

@@ -19,6 +19,7 @@ from flax import nnx
 
 from .config import HEAD_METHODS, SamplingParams, SpecConfig
 from .decode import NoProposer, RowLimits, decode, prefill
+from .logprobs import TokenLogprob, to_host
 from .models.heads import Readout, load_head, named_head_path
 from .models.loading import LanguageModel
 from .proposers.base import Proposer
@@ -99,6 +100,7 @@ class GenerateResult:
     text: list[str]  # decoded new text per prompt, without the stop token
     finish_reason: list[str]  # "stop" (EOS or a stop id) or "length" (max_new_tokens)
     stats: GenerateStats
+    logprobs: list[list[TokenLogprob]] | None = None  # per prompt, one per token of token_ids (`logprobs=`)
 
 
 def default_attention_impl() -> str:
@@ -237,6 +239,7 @@ def generate(
     max_cache_len: int | None = None,
     attention_impl: str | None = None,
     spec: SpecConfig | None = None,
+    logprobs: int | None = None,
 ) -> GenerateResult:
     """Generate for a batch of prompts (strings or token-id lists, of different lengths).
 
@@ -247,12 +250,17 @@ def generate(
     interpret mode on CPU); by default "pallas" on a GPU and "xla" elsewhere. `spec` chooses speculative
     decoding (a proposer and its draft budget); the default, method "none", decodes plainly through the same
     loop. Greedy output is the same with or without speculation; sampled output follows the same distribution.
+    `logprobs=L` also returns each generated token's log-probability under the target (its raw distribution,
+    before the sampling settings shape it) and the L most likely tokens at each position; None records nothing.
     """
     spec = SpecConfig() if spec is None else spec
     if not isinstance(spec, SpecConfig):
         raise ValueError(f"spec={spec!r} must be a jaxspec.SpecConfig")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
+                                 or not 0 <= logprobs <= lm.config.vocab_size):
+        raise ValueError(f"logprobs={logprobs!r} must be None or an integer in [0, {lm.config.vocab_size}]")
     if attention_impl is None:
         attention_impl = default_attention_impl()
     if attention_impl not in ("xla", "pallas"):
@@ -273,7 +281,8 @@ def generate(
     prompt_lens = [len(p) for p in ids]
     if max_new_tokens == 0:
         empty = GenerateStats(prompt_tokens=sum(prompt_lens), generated_tokens=0, steps=0, prefill_s=0.0, decode_s=0.0)
-        return GenerateResult([[] for _ in ids], ["" for _ in ids], ["length"] * batch, empty)
+        return GenerateResult([[] for _ in ids], ["" for _ in ids], ["length"] * batch, empty,
+                              None if logprobs is None else [[] for _ in ids])
 
     width, buffer_len, cache_len = bucket_shapes(prompt_lens, max_new_tokens, spec.num_speculative_tokens)
     padded = np.zeros((batch, width), np.int32)
@@ -287,14 +296,16 @@ def generate(
     widths = spec.verify_widths
 
     t0 = time.perf_counter()
+    logprob_rows = None if logprobs is None else jnp.ones((batch,), bool)
     state = prefill(lm.graphdef, lm.params, jnp.asarray(padded), jnp.asarray(prompt_lens, jnp.int32), rows,
-                    limits, proposer_params, proposer=proposer, cache_len=cache_len, buffer_len=buffer_len)
+                    limits, proposer_params, logprob_rows, proposer=proposer, cache_len=cache_len,
+                    buffer_len=buffer_len, num_top_logprobs=logprobs or 0)
     jax.block_until_ready(state.history)
     t1 = time.perf_counter()
     state = decode(lm.graphdef, lm.params, state, rows, limits, proposer_params, proposer=proposer, widths=widths,
                    attention_impl=attention_impl)
-    history, history_len, steps, counters = jax.device_get(
-        (state.history, state.history_len, state.steps, state.counters))
+    history, history_len, steps, counters, buffer = jax.device_get(
+        (state.history, state.history_len, state.steps, state.counters, state.logprobs))
     t2 = time.perf_counter()
 
     stop_table = np.asarray(limits.stop_ids)
@@ -316,4 +327,10 @@ def generate(
         accepted=int(counters.accepted.sum()), drafted_per_position=tuple(counters.drafted_at.sum(0).tolist()),
         accepted_per_position=tuple(counters.accepted_at.sum(0).tolist()), row_steps=int(counters.steps.sum()),
         rows=tuple(row_stats))
-    return GenerateResult(token_ids=token_ids, text=texts, finish_reason=reasons, stats=stats)
+    row_logprobs = None
+    if buffer is not None:
+        row_logprobs = [to_host(row, *(x[i, prompt_lens[i]: history_len[i]] for x in
+                                       (buffer.token, buffer.top_ids, buffer.top)), logprobs)
+                        for i, row in enumerate(token_ids)]
+    return GenerateResult(token_ids=token_ids, text=texts, finish_reason=reasons, stats=stats,
+                          logprobs=row_logprobs)

@@ -137,6 +137,21 @@ def test_head_proposers_greedy_equal_plain(tiny_lm, prompts, plain, head_files, 
     assert out.stats.drafted > 0
 
 
+def test_tree_logprobs_follow_the_accepted_path(tiny_lm, prompts):
+    """Each committed token's log-probabilities come from its own path node's row of the tree forward: the
+    oracle tree (the right token at rank 1 of depth 2: accepted paths run through side branches) records
+    what plain decoding records."""
+    ref = jaxspec.generate(tiny_lm, prompts, max_new_tokens=24, logprobs=3)
+    proposer = OracleTreeProposer(TOPOLOGY.num_nodes, TOPOLOGY, (0, 1, 0, 0), vocab=97)
+    spec = SpecConfig(method="custom", num_speculative_tokens=TOPOLOGY.num_nodes, proposer=proposer,
+                      proposer_params=_known(prompts, ref, 64))
+    out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=24, logprobs=3, spec=spec)
+    assert out.token_ids == ref.token_ids and out.stats.accepted > 0
+    for a, b in zip(out.logprobs, ref.logprobs):
+        np.testing.assert_allclose([e.logprob for e in a], [e.logprob for e in b], atol=2e-5)
+        assert [[t for t, _ in e.top] for e in a] == [[t for t, _ in e.top] for e in b]
+
+
 @pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"] + ("-static" if d["method"] == "eagle" and "tree_depth" in d else ""))
 def test_head_proposers_seeded_sampling(tiny_lm, prompts, head_files, spec_kwargs):
     """Trees of deterministic candidates follow plain sampling token for token (the point-mass rule); the
