@@ -37,6 +37,7 @@ import numpy as np
 from .config import SamplingParams, SpecConfig
 from .decode import DecodeState, RowLimits, SpecCounters, decode_chunk, prefill
 from .generation import _next_pow2, build_proposer, default_attention_impl
+from .logprobs import TokenLogprob, to_host, window
 from .models.loading import LanguageModel
 from .policy import AdaptivePolicy, ChunkReport, SpeculationPolicy
 from .proposers.mixed import MixedParams, MixedProposer, MixedState
@@ -74,6 +75,7 @@ class EngineConfig:
     max_waiting: int = 256  # requests queued beyond the free slots; more are refused (QueueFull). 0: no queue
     slot_buckets: tuple[int, ...] | None = None  # compiled batch sizes; default 1 and multiples of 8
     attention_impl: str | None = None
+    max_logprobs: int | None = 20  # most likely tokens a request may ask for per position; None: no logprobs
 
     def __post_init__(self):
         if self.max_slots < 1:
@@ -82,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"chunk_steps={self.chunk_steps!r} must be >= 1")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting={self.max_waiting!r} must be >= 0")
+        if self.max_logprobs is not None and not 0 <= self.max_logprobs <= 1024:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be None or in [0, 1024]")
         bad = [m for m in self.methods if m not in SERVABLE_METHODS]
         if bad or not self.methods:
             raise ValueError(f"methods={self.methods!r} must be a non-empty subset of {SERVABLE_METHODS}")
@@ -120,6 +124,7 @@ class Request:
     ignore_eos: bool = False
     method: str | None = None  # None: the engine's default method
     num_speculative_tokens: int | None = None  # None: the engine's K
+    logprobs: int | None = None  # also return each token's log-probability and this many most likely tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +146,7 @@ class Output:
 
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     stats: RequestStats | None = None
     error: str | None = None
 
@@ -244,6 +250,12 @@ class Engine:
         widths = config.spec.verify_widths if config.spec.method != "none" else (1, k + 1)
         return tuple(sorted({1, *widths, k + 1}))
 
+    @property
+    def _logprob_window(self) -> int:
+        """History slots read back per row after a chunk: a chunk commits at most chunk_steps * (K + 1)
+        tokens a row, so one fixed-size window (one compiled program per slot bucket) always holds them."""
+        return min(self.config.chunk_steps * (self.k + 1), self.config.cache_len)
+
     def check_method(self, method: str) -> None:
         if method not in self.config.methods:
             raise InvalidRequest("method", f"method={method!r} is not served; choose one of {self.config.methods}")
@@ -266,6 +278,13 @@ class Engine:
             raise InvalidRequest("max_tokens", f"max_tokens={request.max_tokens} with a {n}-token prompt needs "
                              f"{n + request.max_tokens} tokens of context; the context holds {limit}")
         self.check_method(request.method or self.config.spec.method)
+        top = request.logprobs
+        if top is not None:
+            most = self.config.max_logprobs
+            if most is None:
+                raise InvalidRequest("logprobs", "logprobs are not served (the engine was built with max_logprobs=None)")
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= most:
+                raise InvalidRequest("logprobs", f"logprobs={top!r} must be an integer in [0, {most}]")
         k = request.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k):
             raise InvalidRequest("num_speculative_tokens", f"num_speculative_tokens={k!r} must be an integer in [0, {self.k}]")
@@ -381,6 +400,8 @@ class Engine:
             self._admit_one(0, dummy(3))
             self._slots[0] = None
             self._run_chunk(np.zeros(self.config.max_slots + 1, np.int32))
+            if self._state.logprobs is not None:
+                window(self._state.logprobs, jnp.zeros((n,), jnp.int32), size=self._logprob_window)
         self._resize(self.config.slot_buckets[0])
         width = _PROMPT_BUCKET_MIN * 2
         while width // 2 < self.config.max_context - 1:
@@ -399,15 +420,19 @@ class Engine:
             limits = RowLimits(max_new_tokens=jnp.ones((1,), jnp.int32),
                                stop_ids=jnp.full((1, _MAX_STOP_IDS), -1, jnp.int32))
             self._empty_row = self._prefill(jnp.zeros((1, _PROMPT_BUCKET_MIN), jnp.int32), jnp.ones((1,), jnp.int32),
-                                            SamplingParams().broadcast(1), limits)
+                                            SamplingParams().broadcast(1), limits, wants_logprobs=False)
         return _tile(self._empty_row, n)
 
-    def _prefill(self, prompts, prompt_lens, sampling, limits) -> DecodeState:
+    def _prefill(self, prompts, prompt_lens, sampling, limits, wants_logprobs: bool) -> DecodeState:
         width = prompts.shape[1]
         caps = jnp.zeros((self.config.max_slots + 1,), jnp.int32)
+        # Every row carries the log-probability buffers (one state shape); only rows that asked fill them.
+        top = self.config.max_logprobs
+        rows = None if top is None else jnp.full((prompts.shape[0],), wants_logprobs)
         state = prefill(self.lm.graphdef, self.lm.params, prompts, prompt_lens, sampling, limits,
-                        MixedParams(caps, self._member_params), proposer=self.proposer,
-                        cache_len=self.config.cache_len, buffer_len=self.config.cache_len - width)
+                        MixedParams(caps, self._member_params), rows, proposer=self.proposer,
+                        cache_len=self.config.cache_len, buffer_len=self.config.cache_len - width,
+                        num_top_logprobs=top or 0)
         # Per-request counters only: the engine reads totals, not each step's commit count.
         return state.replace(counters=SpecCounters.zeros(prompts.shape[0], self.k, 1))
 
@@ -434,7 +459,7 @@ class Engine:
         limits = RowLimits(max_new_tokens=jnp.asarray([req.max_tokens], jnp.int32),
                            stop_ids=jnp.asarray(live.stop_ids[None]))
         row = self._prefill(jnp.asarray(prompt), jnp.asarray([n], jnp.int32), SamplingParams.stack([req.sampling]),
-                            limits)
+                            limits, wants_logprobs=req.logprobs is not None)
         k = self.k if req.num_speculative_tokens is None else req.num_speculative_tokens
         choice = self._drafting.index(live.method) if live.method in self._drafting else 0
         if live.method == "none":
@@ -444,6 +469,11 @@ class Engine:
                                                 max_draft=jnp.asarray([k], jnp.int32)))
         self._state = _insert(self._state, row, jnp.asarray(slot, jnp.int32))
         first, done = jax.device_get((row.history[0, n], row.done[0]))
+        logprobs = None
+        if req.logprobs is not None:
+            buffer = jax.device_get(row.logprobs)
+            logprobs = to_host([int(first)], buffer.token[0, n:n + 1], buffer.top_ids[0, n:n + 1],
+                               buffer.top[0, n:n + 1], req.logprobs)
         live.admitted = time.perf_counter()
         live.prefill_s = live.admitted - t0
         live.counters = (0, 0, 0)
@@ -451,7 +481,7 @@ class Engine:
         self._slots[slot] = None if done else live
         if live.request_id >= 0:
             self.metrics.prompt_tokens += n
-            self._emit(live, [int(first)], bool(done))
+            self._emit(live, [int(first)], bool(done), logprobs)
 
     def _admit(self) -> None:
         while True:
@@ -540,6 +570,7 @@ class Engine:
                                "accepted": state.counters.accepted, "drafted_at": state.counters.drafted_at,
                                "accepted_at": state.counters.accepted_at})
         seconds = time.perf_counter() - t0
+        logprobs = self._read_logprobs(state, host)
         steps = int(host["steps"]) - self._steps_read
         self._steps_read = int(host["steps"])
         committed = 0
@@ -560,7 +591,7 @@ class Engine:
                 self.metrics.drafted_per_position += host["drafted_at"][i]
                 self.metrics.accepted_per_position += host["accepted_at"][i]
                 self._slots[i] = None
-            self._emit(live, new, done)
+            self._emit(live, new, done, logprobs.get(i))
         self.metrics.steps += steps
         self.metrics.num_slots = n
         self.metrics.requests_running = self.num_active
@@ -572,21 +603,43 @@ class Engine:
             observer("chunk", {"seconds": seconds, "steps": steps, "active": active, "slots": n,
                                "tokens": committed, "max_cap": int(caps[active])})
 
-    def _emit(self, live: _Live, tokens: list[int], done: bool) -> None:
+    def _read_logprobs(self, state: DecodeState, host: dict) -> dict[int, list[TokenLogprob]]:
+        """Per slot that asked for them, the log-probabilities of the tokens it committed in this chunk."""
+        rows = {i: live for i, live in enumerate(self._slots) if live is not None and live.request.logprobs is not None}
+        if not rows:
+            return {}
+        size = self._logprob_window
+        last = host["history"].shape[1] - size
+        starts = np.zeros(len(self._slots), np.int32)
+        for i, live in rows.items():
+            starts[i] = min(int(host["prompt_len"][i]) + live.emitted, last)
+        read = jax.device_get(window(state.logprobs, jnp.asarray(starts), size=size))
+        out = {}
+        for i, live in rows.items():
+            begin = int(host["prompt_len"][i]) + live.emitted - int(starts[i])
+            count = int(host["history_len"][i] - host["prompt_len"][i]) - live.emitted
+            tokens = host["history"][i, starts[i] + begin: starts[i] + begin + count].tolist()
+            out[i] = to_host(tokens, *(x[i, begin: begin + count] for x in (read.token, read.top_ids, read.top)),
+                             live.request.logprobs)
+        return out
+
+    def _emit(self, live: _Live, tokens: list[int], done: bool,
+              logprobs: list[TokenLogprob] | None = None) -> None:
         live.emitted += len(tokens)
         self.metrics.generated_tokens += len(tokens)
         if not done:
             if tokens:
                 try:
-                    live.callback(Output(token_ids=tokens))
+                    live.callback(Output(token_ids=tokens, logprobs=logprobs))
                 except Exception:  # noqa: BLE001 - one client's callback must not stop the others
                     log.exception("request %d: callback failed; cancelling it", live.request_id)
                     self._cancel(live.request_id)
             return
         stopped = bool(tokens) and tokens[-1] in set(live.stop_ids.tolist()) - {-1}
-        self._finish(live, tokens, "stop" if stopped else "length")
+        self._finish(live, tokens, "stop" if stopped else "length", logprobs=logprobs)
 
-    def _finish(self, live: _Live, tokens: list[int], reason: str, error: str | None = None) -> None:
+    def _finish(self, live: _Live, tokens: list[int], reason: str, error: str | None = None,
+                logprobs: list[TokenLogprob] | None = None) -> None:
         steps, drafted, accepted = live.counters
         stats = RequestStats(steps=steps, drafted=drafted, accepted=accepted,
                              queued_s=max(live.admitted - live.submitted - live.prefill_s, 0.0),
@@ -596,7 +649,8 @@ class Engine:
         for observer in self.observers:
             observer("finish", {"reason": reason, "stats": stats, "generated": live.emitted})
         try:
-            live.callback(Output(token_ids=tokens, finish_reason=reason, stats=stats, error=error))
+            live.callback(Output(token_ids=tokens, finish_reason=reason, stats=stats, error=error,
+                                 logprobs=(logprobs or []) if live.request.logprobs is not None else None))
         except Exception:  # noqa: BLE001 - one client's callback must not stop the others
             log.exception("request %d: callback failed", live.request_id)
 

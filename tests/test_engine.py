@@ -230,6 +230,28 @@ def test_seeded_sampling_equals_offline(tiny_lm, fixed_engine):
     assert again.tokens == results[0].tokens
 
 
+def test_logprobs_stream_with_their_tokens(tiny_lm, fixed_engine):
+    """Rows that ask for log-probabilities get one per streamed token, equal to offline `generate`'s; rows
+    beside them that do not ask get none."""
+    prompts = PROMPTS[:4]
+    samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=5), SamplingParams(), SamplingParams()]
+    tops = [2, 0, None, 3]
+    requests = [Request(p, N, sampling=s, method=m, logprobs=t)
+                for p, s, m, t in zip(prompts, samplings, ["sam", "ngram", "sam", "none"], tops)]
+    results = run_all(fixed_engine, requests)
+    for req, c in zip(requests, results):
+        ref = jaxspec.generate(tiny_lm, [req.prompt_ids], max_new_tokens=N, sampling=req.sampling, logprobs=3)
+        assert c.tokens == ref.token_ids[0]
+        if req.logprobs is None:
+            assert all(o.logprobs is None for o in c.outputs)
+            continue
+        assert all(len(o.logprobs) == len(o.token_ids) for o in c.outputs)
+        got = [e for o in c.outputs for e in o.logprobs]
+        assert [e.token_id for e in got] == c.tokens
+        np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in ref.logprobs[0]], atol=2e-5)
+        assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top[:req.logprobs]] for e in ref.logprobs[0]]
+
+
 def test_more_requests_than_slots(tiny_lm, fixed_engine, chunk_log):
     """10 requests on 4 slots, of different lengths: rows join and leave between chunks and the state grows
     and shrinks between the buckets, without changing any output."""
@@ -416,6 +438,8 @@ def test_queue_full(tiny_lm, fresh_engine, max_waiting):
     (dict(num_speculative_tokens=True), "num_speculative_tokens=True"),
     (dict(stop_token_ids=(97,)), "id 97"),
     (dict(stop_token_ids=tuple(range(9))), "stop_token_ids has 9 ids"),
+    (dict(logprobs=CONFIG.max_logprobs + 1), f"logprobs={CONFIG.max_logprobs + 1}"),
+    (dict(logprobs=-1), "logprobs=-1"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_validate_names_the_bad_value(idle_engine, kwargs, match):
     engine = idle_engine
