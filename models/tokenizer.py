@@ -59,6 +59,19 @@ def _byte_level(split: str | None = None) -> pre_tokenizers.PreTokenizer:
     )
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character each byte is written as -> that byte.  Printable
+    bytes stand for themselves; the rest are shifted to code points 256 and up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return table
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
+
+
 def _gpt2() -> dict[str, Any]:
     return {"pre_tokenizer": _byte_level()}
 
@@ -285,6 +298,15 @@ class Tokenizer:
         if token is None:
             raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
         return token
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for (a byte-level token may hold part of a UTF-8 character; OpenAI's
+        ``logprobs`` report them as ``bytes``).  Added tokens (``<|im_end|>``) are their text in UTF-8."""
+        token = self.id_to_token(i)
+        added = self.backend.get_added_tokens_decoder().get(int(i))
+        if added is not None:
+            return added.content.encode("utf-8")
+        return bytes(_UNICODE_TO_BYTE[c] for c in token)
 
     def token_to_id(self, s: str) -> int | None:
         """The id of vocabulary entry ``s`` (byte-level form), or None."""

@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued beyond the free slots; more get HTTP 429; 0 serves only what the slots "
                         "hold (default: %(default)s)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most likely tokens a request may ask for per position (completions `logprobs`, chat "
+                        "`top_logprobs`); -1 turns log-probabilities off (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling every batch size before listening (the first requests then wait)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -85,7 +88,8 @@ def main(argv=None) -> int:
         buckets = None if args.slot_buckets is None else tuple(int(b) for b in args.slot_buckets.split(","))
         config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len, spec=spec,
                               methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
-                              chunk_steps=args.chunk_steps, max_waiting=args.max_waiting, slot_buckets=buckets)
+                              chunk_steps=args.chunk_steps, max_waiting=args.max_waiting, slot_buckets=buckets,
+                              max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs)
         policy = make_policy(args.policy, max_active=args.spec_max_active)
         lm = jaxspec.load_model(args.model)
     except ValueError as e:

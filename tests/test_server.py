@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -156,6 +157,56 @@ def test_chat_greedy_equals_offline(client, offline, smollm2, stream):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(smollm2.tokenizer.encode(prompt)), len(ids))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_equal_offline(client, smollm2, humaneval_prompts, stream):
+    """OpenAI's completions format: tokens, their log-probabilities (the offline values), the 3 most likely
+    tokens plus the chosen one per position, and where each token's text starts."""
+    prompt = humaneval_prompts[3]
+    ref = jaxspec.generate(smollm2, [prompt], max_new_tokens=24, logprobs=3)
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=3)
+    if stream:
+        chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+        tokens = [t for p in parts for t in p.tokens]
+        values = [v for p in parts for v in p.token_logprobs]
+        tops = [t for p in parts for t in p.top_logprobs]
+        offsets = [o for p in parts for o in p.text_offset]
+    else:
+        r = client.completions.create(**kwargs)
+        text, lp = r.choices[0].text, r.choices[0].logprobs
+        tokens, values, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+        assert len(tokens) == r.usage.completion_tokens
+    assert text == ref.text[0] and "".join(tokens) == text
+    np.testing.assert_allclose(values, [e.logprob for e in ref.logprobs[0]], atol=1e-3)
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    for token, value, top, e in zip(tokens, values, tops, ref.logprobs[0]):
+        assert 3 <= len(top) <= 4 and top[token] == pytest.approx(value)
+        assert max(top.values()) == pytest.approx(e.top[0][1], abs=1e-3)  # greedy: the chosen is the likeliest
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs(client, smollm2, stream):
+    """OpenAI's chat format: one object per token of the content, with its bytes and its top_logprobs."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0, logprobs=True, top_logprobs=2)
+    if stream:
+        chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        entries = [e for c in chunks if c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
+        finish = next(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason)
+    else:
+        r = client.chat.completions.create(**kwargs)
+        content, entries, finish = r.choices[0].message.content, r.choices[0].logprobs.content, r.choices[0].finish_reason
+        # The EOS that ends a "stop" choice is counted in usage but is not part of the text.
+        assert len(entries) == r.usage.completion_tokens - (finish == "stop")
+    assert bytes(b for e in entries for b in e.bytes).decode() == content
+    for e in entries:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob) and e.logprob <= 0
+        assert e.top_logprobs[1].logprob <= e.top_logprobs[0].logprob
+
+
 def test_16_concurrent_streaming_clients(server, offline, humaneval_prompts):
     """Mixed greedy and seeded sampled requests, mixed methods: every one equals its offline run."""
     settings = []
@@ -222,6 +273,8 @@ BAD_INPUTS = [
     ({"n": 0}, "n"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"min_p": 2}, "min_p"),
+    ({"logprobs": 6}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
 ]
 
 
@@ -238,6 +291,11 @@ def test_bad_input_through_the_openai_client_and_server_keeps_serving(server, cl
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}], max_tokens=4)
     assert e.value.param == "messages.0.role"
+    for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           **extra)
+        assert e.value.param == param
     for body in (b"{not json", b"[1, 2]"):
         r = httpx.post(server["url"] + "/v1/completions", content=body,
                        headers={"content-type": "application/json"}, timeout=60)

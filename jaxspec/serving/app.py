@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import SamplingParams
 from ..engine import Engine, EngineStopped, InvalidRequest, Output, QueueFull, Request
+from .logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse
 from .text import TextStream
@@ -38,6 +39,8 @@ class _Choice:
     def __init__(self, index: int, tokenizer, stop: list[str]):
         self.index = index
         self.text = TextStream(tokenizer, stop)
+        self.logprobs: list[Entry] = []  # one per token of the text, when the request asked for them
+        self._logprobs_taken = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.first_token_at: float | None = None
@@ -57,7 +60,7 @@ class _Choice:
             count_only: list[int] = []
             if out.finish_reason == "stop" and tokens:
                 tokens, count_only = tokens[:-1], tokens[-1:]  # the stop token is counted, not shown
-            delta = self.text.add(tokens, count_only)
+            delta = self._add(tokens, count_only, out.logprobs)
             if self.text.stopped and self.finish_reason is None:
                 self.finish_reason = "stop"
                 if out.finish_reason is None and self.handle is not None:
@@ -73,6 +76,25 @@ class _Choice:
             if delta:
                 yield delta
 
+    def _add(self, tokens: list[int], count_only: list[int], logprobs) -> str:
+        if logprobs is None:
+            return self.text.add(tokens, count_only)
+        # One token at a time, to know where each token's text starts and which tokens a stop string cut.
+        delta = ""
+        for token, logprob in zip(tokens, logprobs):
+            if self.text.stopped:
+                break
+            offset = len(self.text.text)
+            delta += self.text.add([token])
+            self.logprobs.append(Entry(logprob, offset))
+        return delta + self.text.add([], count_only)
+
+    def take_logprobs(self) -> list[Entry]:
+        """The entries not taken yet: a streamed chunk carries the tokens consumed since the previous one."""
+        new = self.logprobs[self._logprobs_taken:]
+        self._logprobs_taken = len(self.logprobs)
+        return new
+
 
 def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, graceful_timeout_s: float = 30.0,
                on_ready: Callable[[], None] | None = None) -> FastAPI:
@@ -83,6 +105,7 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
     tokenizer = lm.tokenizer
     metrics = ServerMetrics(engine)
     created = int(time.time())
+    token_text = TokenText(tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -126,7 +149,8 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
             raise RequestError(f"{param} is empty: at least one token is needed", param=param)
         return ids
 
-    def engine_requests(body, prompt_ids: list[int], prompt_param: str, default_max: int | None) -> list[Request]:
+    def engine_requests(body, prompt_ids: list[int], prompt_param: str, default_max: int | None,
+                        logprobs_param: str) -> list[Request]:
         spec = body.speculative
         method = "none" if spec == "off" else (spec.method if spec else None)
         k = spec.num_speculative_tokens if spec not in (None, "off") else None
@@ -140,12 +164,12 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
                                       min_p=body.min_p, seed=(seed + i) % (1 << 32))
             requests.append(Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                                    method=method, num_speculative_tokens=k))
+                                    method=method, num_speculative_tokens=k, logprobs=body.top_logprobs_wanted))
         for r in requests[:1]:
             try:
                 engine.validate(r)
             except InvalidRequest as e:
-                param = prompt_param if e.field == "prompt_ids" else _ENGINE_PARAMS[e.field]
+                param = {"prompt_ids": prompt_param, "logprobs": logprobs_param}.get(e.field) or _ENGINE_PARAMS[e.field]
                 raise RequestError(str(e), param=param) from None
         return requests
 
@@ -239,6 +263,12 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
                       chat: bool):
         """The response in OpenAI's completion or chat format: server-sent chunks when `body.stream`, else one body."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        wants_logprobs = body.top_logprobs_wanted is not None
+
+        def logprobs(entries: list[Entry]) -> dict | None:
+            if not wants_logprobs:
+                return None
+            return chat_logprobs(entries, token_text) if chat else completion_logprobs(entries, token_text)
 
         def envelope(obj: str, choice_list: list, **extra) -> dict:
             return {"id": rid, "object": obj, "created": int(time.time()), "model": served_model_name,
@@ -249,7 +279,7 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
 
             def piece_choice(c: _Choice, piece: str, finish: str | None) -> dict:
                 text = {"delta": {"content": piece} if piece else {}} if chat else {"text": piece}
-                return {"index": c.index, **text, "logprobs": None, "finish_reason": finish}
+                return {"index": c.index, **text, "logprobs": logprobs(c.take_logprobs()), "finish_reason": finish}
 
             async def events():
                 try:
@@ -277,7 +307,7 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
 
         def final_choice(c: _Choice) -> dict:
             text = {"message": {"role": "assistant", "content": texts[c.index]}} if chat else {"text": texts[c.index]}
-            return {"index": c.index, **text, "logprobs": None, "finish_reason": c.finish_reason}
+            return {"index": c.index, **text, "logprobs": logprobs(c.logprobs), "finish_reason": c.finish_reason}
 
         return envelope("chat.completion" if chat else "text_completion", [final_choice(c) for c in choices],
                         usage=usage(prompt_tokens, choices))
@@ -314,7 +344,7 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
         for ids in ids_list:
             if not ids:
                 raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-            requests += engine_requests(body, ids, "prompt", 16)
+            requests += engine_requests(body, ids, "prompt", 16, "logprobs")
         choices = submit(requests, body.stop_strings)
         prompt_tokens = sum(len(ids) for ids in ids_list)
         return await respond(request, body, choices, prompt_tokens, arrived, chat=False)
@@ -333,7 +363,7 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
         except ValueError as e:
             raise RequestError(f"messages: {e}", param="messages") from None
         ids = encode(text, "messages")
-        choices = submit(engine_requests(body, ids, "messages", None), body.stop_strings)
+        choices = submit(engine_requests(body, ids, "messages", None, "top_logprobs"), body.stop_strings)
         return await respond(request, body, choices, len(ids), arrived, chat=True)
 
     return app

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 SpecMethodName = Literal["none", "ngram", "sam"]
 
@@ -71,15 +71,12 @@ class _Generation(_Body):
 class CompletionRequest(_Generation):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's range for completions
     echo: bool = False
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v is not None:
-            raise ValueError("logprobs are not supported by this server")
-        return v
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("echo")
     @classmethod
@@ -107,14 +104,18 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's range for chat
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by this server")
+    def _top_logprobs_needs_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):  # (`logprobs` is declared, so validated, first)
+            raise ValueError("top_logprobs needs logprobs=true")
         return v
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class RequestError(Exception):
