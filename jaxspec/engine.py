@@ -17,7 +17,8 @@ A row's place changes only at such a regroup, which copies the kept rows once. P
 requests come and go.
 
 Each request chooses a proposer among those the engine was built with (`none`, `ngram`, `sam`, run together
-by a `MixedProposer`); its row drafts at most min(its own budget, the policy's cap for the load).
+by a `MixedProposer`; or one trained head, `medusa`, `eagle` or `eagle2`, beside `none`); its row drafts at
+most min(its own budget, the policy's cap for the load) tokens, or tree nodes.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from .proposers.mixed import MixedParams, MixedProposer, MixedState
 
 log = logging.getLogger("jaxspec.engine")
 
-SERVABLE_METHODS = ("none", "ngram", "sam")  # deterministic proposers that share one batch
+SERVABLE_METHODS = ("none", "ngram", "sam")  # deterministic chain proposers: any of them share one batch
+HEAD_METHODS_SERVED = ("medusa", "eagle", "eagle2")  # trained heads: one of them at a time, beside "none"
 _MAX_STOP_IDS = 8
 _PROMPT_BUCKET_MIN = 16
 
@@ -86,9 +88,15 @@ class EngineConfig:
             raise ValueError(f"max_waiting={self.max_waiting!r} must be >= 0")
         if self.max_logprobs is not None and not 0 <= self.max_logprobs <= 1024:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be None or in [0, 1024]")
-        bad = [m for m in self.methods if m not in SERVABLE_METHODS]
+        bad = [m for m in self.methods if m not in SERVABLE_METHODS + HEAD_METHODS_SERVED]
         if bad or not self.methods:
-            raise ValueError(f"methods={self.methods!r} must be a non-empty subset of {SERVABLE_METHODS}")
+            raise ValueError(f"methods={self.methods!r} must be a non-empty subset of "
+                             f"{SERVABLE_METHODS + HEAD_METHODS_SERVED}")
+        heads = [m for m in self.methods if m in HEAD_METHODS_SERVED]
+        if heads and len(set(self.methods) - {"none"}) > 1:
+            # A head reads the target's features and may draft a tree or a sampled chain: it cannot share a
+            # step's verification rule with other proposers.
+            raise ValueError(f"methods={self.methods!r}: {heads[0]!r} is served alone (with 'none' beside it)")
         if self.spec.method not in self.methods:
             raise ValueError(f"spec.method={self.spec.method!r} must be one of methods={self.methods!r}")
         k = self.num_speculative_tokens

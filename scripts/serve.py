@@ -37,14 +37,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-len", type=int, default=2048,
                    help="KV-cache slots per request: prompt + max_tokens + K + 1 must fit. Attention on CPU "
                         "reads all of them every step, so keep it near the longest request (default: %(default)s)")
-    p.add_argument("--method", default="sam", choices=["none", "ngram", "sam"],
-                   help="speculation method for requests that do not choose one (default: %(default)s)")
-    p.add_argument("--methods", default="none,ngram,sam",
-                   help="methods compiled in; a request may pick any of them (default: %(default)s)")
+    p.add_argument("--method", default="sam", choices=["none", "ngram", "sam", "medusa", "eagle", "eagle2"],
+                   help="speculation method for requests that do not choose one; medusa, eagle and eagle2 use the "
+                        "heads shipped for the model (default: %(default)s)")
+    p.add_argument("--methods", default=None,
+                   help="methods compiled in, comma-separated; a request may pick any of them. none, ngram and "
+                        "sam mix freely; a head method is served alone beside none (default: none,ngram,sam, "
+                        "or none,METHOD for a head method)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
                    help="K, the most draft tokens per request and step (default: the method's, "
                         f"sam {METHOD_DEFAULTS['sam']['num_speculative_tokens']}, "
-                        f"ngram {METHOD_DEFAULTS['ngram']['num_speculative_tokens']})")
+                        f"ngram {METHOD_DEFAULTS['ngram']['num_speculative_tokens']}, medusa and eagle2 "
+                        f"{METHOD_DEFAULTS['eagle2']['num_speculative_tokens']} tree nodes, eagle "
+                        f"{METHOD_DEFAULTS['eagle']['num_speculative_tokens']})")
     p.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "off"],
                    help="when to speculate: adaptive (by load, switched off where measured slower), fixed "
                         "(always), off (never) (default: %(default)s)")
@@ -85,9 +90,11 @@ def main(argv=None) -> int:
     try:
         spec = jaxspec.SpecConfig(method=args.method, num_speculative_tokens=(
             None if args.method == "none" else args.num_speculative_tokens))
+        methods = args.methods or ("none,ngram,sam" if args.method in ("none", "ngram", "sam")
+                                   else f"none,{args.method}")
         buckets = None if args.slot_buckets is None else tuple(int(b) for b in args.slot_buckets.split(","))
         config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len, spec=spec,
-                              methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+                              methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
                               chunk_steps=args.chunk_steps, max_waiting=args.max_waiting, slot_buckets=buckets,
                               max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs)
         policy = make_policy(args.policy, max_active=args.spec_max_active)

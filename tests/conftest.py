@@ -13,6 +13,7 @@ from flax import nnx
 
 import jaxspec
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.heads import EagleHead, MedusaHeads, save_head
 from jaxspec.models.llama import Llama
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -52,6 +53,20 @@ TINY = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_laye
 def tiny_lm():
     """A random model small enough to compile in a second (no tokenizer: prompts are token ids)."""
     return jaxspec.LanguageModel.from_module(Llama(TINY, rngs=nnx.Rngs(0)), name="tiny")
+
+
+@pytest.fixture(scope="session")
+def head_files(tiny_lm, tmp_path_factory):
+    """Random heads for the tiny model saved as files: Medusa with non-zero blocks (so heads differ), an EAGLE
+    head."""
+    cfg = tiny_lm.config
+    medusa = MedusaHeads(cfg, 3)
+    key = jax.random.key(3)
+    medusa.w[...] = 0.3 * jax.random.normal(key, medusa.w[...].shape)
+    root = tmp_path_factory.mktemp("heads")
+    return {"medusa": save_head(root / "medusa", medusa, kind="medusa",
+                                metadata={"rank_probs": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]]}),
+            "eagle": save_head(root / "eagle", EagleHead(cfg, rngs=nnx.Rngs(5)), kind="eagle")}
 
 
 @pytest.fixture(autouse=True, scope="module")

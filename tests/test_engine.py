@@ -252,6 +252,39 @@ def test_logprobs_stream_with_their_tokens(tiny_lm, fixed_engine):
         assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top[:req.logprobs]] for e in ref.logprobs[0]]
 
 
+HEAD_SPECS = [dict(method="medusa", num_speculative_tokens=7),
+              dict(method="eagle2", num_speculative_tokens=9, tree_depth=4, tree_top_k=3),
+              dict(method="eagle", num_speculative_tokens=K)]
+
+
+@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"])
+def test_a_trained_head_is_served_beside_none(tiny_lm, head_files, fresh_engine, spec_kwargs):
+    """A head (its tree, or its chain sampled from q) runs alone in the MixedProposer, beside plain rows and
+    rows with smaller budgets; greedy rows and, for the deterministic trees, seeded rows equal offline."""
+    spec = SpecConfig(head_path=str(head_files["medusa" if spec_kwargs["method"] == "medusa" else "eagle"]),
+                      **spec_kwargs)
+    engine = fresh_engine(dataclasses.replace(CONFIG, spec=spec, methods=("none", spec.method))).start(warmup=False)
+    seeded = SamplingParams(temperature=0.8, seed=21)
+    requests = [Request(PROMPTS[0], N), Request(PROMPTS[1], N, method="none"),
+                Request(PROMPTS[2], N, num_speculative_tokens=2), Request(PROMPTS[3], N, sampling=seeded),
+                Request(PROMPTS[4], N, logprobs=1)]
+    results = run_all(engine, requests)
+    for i, (req, c) in enumerate(zip(requests, results)):
+        if req.sampling == seeded and spec.method == "eagle":
+            assert len(c.tokens) == N  # drafts sampled from q: the same distribution, not the same tokens
+            continue
+        assert c.tokens == offline(tiny_lm, req.prompt_ids, req.sampling), f"request {i}"
+    assert results[1].final.stats.drafted == 0
+    assert results[0].final.stats.drafted > 0
+    assert results[2].final.stats.drafted <= 2 * results[2].final.stats.steps
+    assert len([e for o in results[4].outputs for e in o.logprobs]) == N
+
+
+def test_a_head_is_not_mixed_with_other_proposers(tiny_lm):
+    with pytest.raises(ValueError, match="served alone"):
+        EngineConfig(spec=SpecConfig(method="medusa"), methods=("ngram", "medusa"))
+
+
 def test_more_requests_than_slots(tiny_lm, fixed_engine, chunk_log):
     """10 requests on 4 slots, of different lengths: rows join and leave between chunks and the state grows
     and shrinks between the buckets, without changing any output."""

@@ -9,6 +9,7 @@ and SIGTERM must let an in-flight request finish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -40,13 +41,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
+@contextlib.contextmanager
+def _serving(extra_args: list[str], log: Path):
+    """`python scripts/serve.py` on a free port with `extra_args`, until it answers /health; SIGINT at the end."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "serve.log"
-    cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--port", str(port), "--max-slots", str(MAX_SLOTS),
-           "--cache-len", str(CACHE_LEN), "--chunk-steps", "4", "--max-waiting", str(MAX_WAITING),
-           "--log-level", "warning"]
+    cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--port", str(port), "--log-level", "warning",
+           *extra_args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
@@ -63,13 +63,23 @@ def server(smollm2, tmp_path_factory):
             proc.kill()
             pytest.fail(f"the server did not start in {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
         time.sleep(1)
-    yield {"url": url, "proc": proc, "log": log}
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    try:
+        yield {"url": url, "proc": proc, "log": log}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    with _serving(["--max-slots", str(MAX_SLOTS), "--cache-len", str(CACHE_LEN), "--chunk-steps", "4",
+                   "--max-waiting", str(MAX_WAITING)], log) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -356,6 +366,19 @@ def test_metrics_parse_and_count(server):
         assert name in m, name
     assert m["jaxspec_generation_tokens_total"] > 0 and m["jaxspec_time_to_first_token_seconds_count"] > 0
     assert m["jaxspec_spec_mean_acceptance_length"] >= 1.0
+
+
+def test_a_trained_head_is_served(smollm2, humaneval_prompts, tmp_path):
+    """`serve.py --method eagle2`: the shipped EAGLE head drafts dynamic trees for a greedy request, which
+    still gets exactly the offline text."""
+    args = ["--method", "eagle2", "--max-slots", "1", "--cache-len", "256", "--policy", "fixed", "--no-warmup"]
+    with _serving(args, tmp_path / "serve.log") as running:
+        client = openai.OpenAI(base_url=running["url"] + "/v1", api_key="unused", max_retries=0, timeout=900)
+        prompt = humaneval_prompts[2]
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+        assert r.choices[0].text == jaxspec.generate(smollm2, [prompt], max_new_tokens=32).text[0]
+        m = _metrics(running["url"])
+        assert m["jaxspec_spec_accepted_tokens_total"] > 0 and m["jaxspec_spec_drafted_tokens_total"] > 0
 
 
 def test_sigterm_finishes_the_request_in_flight(server):

@@ -18,7 +18,7 @@ from flax import nnx
 
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
-from jaxspec.models.heads import EagleHead, MedusaHeads, Readout, save_head
+from jaxspec.models.heads import Readout
 from jaxspec.proposers.base import Committed, Context, Draft
 from jaxspec.proposers.eagle import EagleProposer
 from jaxspec.tree import TreeTopology
@@ -105,19 +105,6 @@ def test_oracle_tree_budget_and_stops(tiny_lm, prompts, plain):
     for kwargs in (dict(max_new_tokens=6), dict(max_new_tokens=40, stop_token_ids=[stop])):
         ref = jaxspec.generate(tiny_lm, prompts, **kwargs)
         assert jaxspec.generate(tiny_lm, prompts, spec=spec, **kwargs).token_ids == ref.token_ids
-
-
-@pytest.fixture(scope="module")
-def head_files(tiny_lm, tmp_path_factory):
-    """Random heads saved as files: Medusa with non-zero blocks (so heads differ), an EAGLE head."""
-    cfg = tiny_lm.config
-    medusa = MedusaHeads(cfg, 3)
-    key = jax.random.key(3)
-    medusa.w[...] = 0.3 * jax.random.normal(key, medusa.w[...].shape)
-    root = tmp_path_factory.mktemp("heads")
-    return {"medusa": save_head(root / "medusa", medusa, kind="medusa",
-                                metadata={"rank_probs": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]]}),
-            "eagle": save_head(root / "eagle", EagleHead(cfg, rngs=nnx.Rngs(5)), kind="eagle")}
 
 
 HEAD_SPECS = [

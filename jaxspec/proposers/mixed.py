@@ -10,8 +10,10 @@ target forward) and keeps, per row, the draft of the member the row chose. A row
   so the policy may change it between chunks without recompiling, and it is read at every step, so it
   follows rows finishing inside a chunk.
 
-Member proposers must be deterministic (n-gram, suffix automaton): their drafts carry no distribution
-(`Draft.probs is None`), so one verification rule serves every row.
+Several members must be deterministic chains (n-gram, suffix automaton): their drafts carry no distribution
+and no tree, so one verification rule serves every row. A lone member may be anything (a Medusa or EAGLE-2
+tree, an EAGLE chain sampled from its own distribution): its draft passes through, with its node or token
+count capped the same way (a tree's nodes are ordered parents first, so a prefix is a smaller tree).
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ class MixedProposer:
         if any(k != self.num_speculative_tokens for k in ks):
             raise ValueError(f"member proposers have K={ks}; all must equal num_speculative_tokens="
                              f"{self.num_speculative_tokens}")
+        if len(self.proposers) > 1 and any(getattr(p, "needs_features", False) for p in self.proposers):
+            raise ValueError("a proposer that reads the target's features (Medusa, EAGLE) must be the only member")
+
+    @property
+    def needs_features(self) -> bool:
+        return any(getattr(p, "needs_features", False) for p in self.proposers)
+
+    @property
+    def max_depth(self) -> int:
+        return max(getattr(p, "max_depth", self.num_speculative_tokens) for p in self.proposers)
 
     def init(self, params: MixedParams, ctx: Context) -> MixedState:
         """Every row starts with member 0 and the full budget; the engine sets the row's choice after prefill."""
@@ -67,6 +79,8 @@ class MixedProposer:
         load_cap = table[jnp.minimum(jnp.sum(active), table.shape[0] - 1)]
         cap = jnp.minimum(jnp.minimum(ctx.max_draft, pstate.max_draft), load_cap)  # i32[B]
         ctx = ctx.replace(max_draft=cap)
+        if len(self.proposers) == 1:
+            return self._propose_alone(params, pstate, ctx, keys, cap)
 
         def draft_all():
             tokens = jnp.zeros((batch, k), jnp.int32)
@@ -92,6 +106,21 @@ class MixedProposer:
         # Under load the policy caps every row at 0: then the members' lookups are skipped outright.
         tokens, num, match, members = jax.lax.cond(jnp.any(cap > 0), draft_all, draft_none)
         return Draft(tokens=tokens, num_draft=num, match_len=match), pstate.replace(members=members)
+
+    def _propose_alone(self, params: MixedParams, pstate: MixedState, ctx: Context, keys: jax.Array,
+                       cap: jax.Array) -> tuple[Draft, MixedState]:
+        proposer, member_params, member_state = self.proposers[0], params.members[0], pstate.members[0]
+
+        def draft():
+            d, ms = proposer.propose(member_params, member_state, ctx, keys)
+            return d.replace(num_draft=jnp.minimum(d.num_draft, cap)), (ms,)
+
+        def draft_none():  # the same structure, all zeros: no row drafts, the state is left as it was
+            shape = jax.eval_shape(draft)[0]
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape), pstate.members
+
+        d, members = jax.lax.cond(jnp.any(cap > 0), draft, draft_none)
+        return d, pstate.replace(members=members)
 
     def update(self, params: MixedParams, pstate: MixedState, ctx: Context, committed: Committed) -> MixedState:
         members = tuple(p.update(mp, ms, ctx, committed)

@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-SpecMethodName = Literal["none", "ngram", "sam"]
+SpecMethodName = Literal["none", "ngram", "sam", "medusa", "eagle", "eagle2"]  # the engine says which it serves
 
 
 class _Body(BaseModel):
