@@ -37,7 +37,7 @@ from jaxspec import SamplingParams, SpecConfig  # noqa: E402
 TARGETS = {"eagle2": 3.0, "medusa": 2.0}
 
 
-def configs(budgets: list[int], eagle_ks: list[int]) -> list[tuple[str, SpecConfig]]:
+def configs(budgets: list[int], eagle_ks: list[int], wide: list[tuple[int, int, int]]) -> list[tuple[str, SpecConfig]]:
     out = [("none", SpecConfig()), ("sam", SpecConfig(method="sam"))]
     out += [(f"medusa N={n}", SpecConfig(method="medusa", num_speculative_tokens=n,
                                          verify_widths=(1, n + 1))) for n in budgets]
@@ -45,6 +45,8 @@ def configs(budgets: list[int], eagle_ks: list[int]) -> list[tuple[str, SpecConf
             for k in eagle_ks]
     out += [(f"eagle2 N={n}", SpecConfig(method="eagle2", num_speculative_tokens=n, verify_widths=(1, n + 1)))
             for n in budgets]
+    out += [(f"eagle2 N={n} d{d} k{k}", SpecConfig(method="eagle2", num_speculative_tokens=n, tree_depth=d,
+                                                    tree_top_k=k, verify_widths=(1, n + 1))) for n, d, k in wide]
     return out
 
 
@@ -97,6 +99,10 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", default="7,15,31",
                         help="tree node budgets for medusa and eagle2 (default: %(default)s)")
     parser.add_argument("--eagle-ks", default="3,7", help="chain lengths for eagle (default: %(default)s)")
+    parser.add_argument("--eagle2-trees", default="63:6:10",
+                        help="more eagle2 trees as N:depth:top_k, comma-separated; the default is the EAGLE-2 "
+                             "paper's size (about 60 nodes, depth 6, top-10), whose head forwards over 10 frontier "
+                             "rows cost more than the 4 of the budgets above (default: %(default)s)")
     parser.add_argument("--temperatures", default="0,0.8", help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default: %(default)s)")
     parser.add_argument("--out-dir", default="bench_out", help="(default: %(default)s)")
@@ -105,8 +111,11 @@ def main(argv=None) -> int:
         budgets = [int(x) for x in args.budgets.split(",")]
         eagle_ks = [int(x) for x in args.eagle_ks.split(",")]
         temperatures = [float(x) for x in args.temperatures.split(",")]
+        wide = [tuple(int(v) for v in t.split(":")) for t in args.eagle2_trees.split(",") if t]
+        if any(len(t) != 3 for t in wide):
+            raise ValueError(f"--eagle2-trees={args.eagle2_trees!r} needs N:depth:top_k entries")
     except ValueError as e:
-        parser.error(f"--budgets, --eagle-ks and --temperatures take comma-separated numbers: {e}")
+        parser.error(f"--budgets, --eagle-ks, --eagle2-trees and --temperatures take comma-separated numbers: {e}")
     if args.limit < 1 or args.new_tokens < 2:
         parser.error("--limit must be >= 1 and --new-tokens >= 2")
 
@@ -120,12 +129,12 @@ def main(argv=None) -> int:
               "runs": {}, "best": {}}
     for temp in temperatures:
         rows = {}
-        for label, spec in configs(budgets, eagle_ks):
+        for label, spec in configs(budgets, eagle_ks, wide):
             r = run(lm, prompts, spec, args.new_tokens, temp, args.seed)
             if temp == 0 and label != "none":
                 r["same_as_none"] = r["outputs"] == rows["none"]["outputs"]
             rows[label] = r
-            print(f"T={temp} {label:14s} acceptance {r['mean_acceptance_length']:.2f}  "
+            print(f"T={temp} {label:20s} acceptance {r['mean_acceptance_length']:.2f}  "
                   f"{r['tokens_per_s']:.1f} tok/s", flush=True)
         report["runs"][str(temp)] = rows
         base = rows["none"]["tokens_per_s"]
