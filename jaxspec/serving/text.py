@@ -1,23 +1,51 @@
 """From a stream of token ids to a stream of text: incremental detokenization and stop strings.
 
 Token boundaries do not fall on character boundaries (a byte-level BPE token may hold half of a UTF-8
-character) and a stop string may span tokens, so text is released only when it is final: never a trailing
-replacement character, never a tail that could still become a stop string. Tokens are taken one at a time
-so the count of tokens consumed up to a stop string is exact (OpenAI `usage`).
+character) and a stop string may span tokens, so text is released only when it is final: never a half
+character, never a tail that could still become a stop string. Tokens are taken one at a time so the count of
+tokens consumed up to a stop string is exact (OpenAI `usage`).
+
+Detokenization is incremental: each token's bytes go through one incremental UTF-8 decoder, so a token costs
+the same at the end of a long output as at its start (re-decoding the whole output per token is quadratic).
+The result equals `tokenizer.decode(ids, skip_special_tokens=True)`: the byte-level decoder drops special
+tokens, joins the other tokens' bytes and decodes them at once, replacing invalid sequences.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Sequence
+
+
+class Detokenizer:
+    """Text of a growing token sequence, one token at a time, for a byte-level tokenizer
+    (`jaxspec.models.tokenizer.Tokenizer`)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        # Special tokens (<|im_end|>) are skipped outright: the bytes on either side of one still join.
+        self._special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token: int) -> str:
+        """The text that token `token` completes (empty while a character is still missing bytes)."""
+        if token in self._special:
+            return ""
+        return self._utf8.decode(self._tokenizer.token_bytes(token))
+
+    def finish(self) -> str:
+        """Bytes still pending at the end, decoded with replacement."""
+        return self._utf8.decode(b"", final=True)
 
 
 class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self._tokenizer = tokenizer
+        self._detok = Detokenizer(tokenizer)
         self._stop = [s for s in stop if s]
-        self._ids: list[int] = []
+        self._longest_stop = max((len(s) for s in self._stop), default=0)
         self._sent = 0  # characters of the decoded text already released
         self._text = ""
+        self._finished = False
         self.stopped = False  # a stop string was found; later tokens are ignored
         self.num_tokens = 0  # tokens consumed, up to and including the one completing a stop string
 
@@ -27,22 +55,30 @@ class TextStream:
         for t in token_ids:
             if self.stopped:
                 break
-            self._ids.append(int(t))
             self.num_tokens += 1
-            self._text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-            if self._stop:
-                self._check_stop()
+            piece = self._detok.add(int(t))
+            if piece:
+                self._text += piece
+                if self._stop:
+                    self._check_stop(len(self._text) - len(piece))
         if not self.stopped:
             self.num_tokens += len(count_only)
         return self._release(final=False)
 
     def finish(self) -> str:
         """The text still held back, at the end of the request."""
+        if not self._finished and not self.stopped:
+            self._finished = True
+            piece = self._detok.finish()
+            if piece:
+                self._text += piece
+                if self._stop:
+                    self._check_stop(len(self._text) - len(piece))
         return self._release(final=True)
 
-    def _check_stop(self) -> None:
-        longest = max(len(s) for s in self._stop)
-        start = max(0, self._sent - longest)
+    def _check_stop(self, new_from: int) -> None:
+        # A stop string ending in the new text starts at most len(stop) - 1 characters before it.
+        start = max(0, new_from - self._longest_stop + 1)
         hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
         if hits:
             self._text = self._text[: min(hits)]
@@ -51,8 +87,6 @@ class TextStream:
     def _release(self, final: bool) -> str:
         end = len(self._text)
         if not final and not self.stopped:
-            if self._text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
-                end -= 1
             # Hold back a tail that is the beginning of a stop string.
             end -= max((n for s in self._stop for n in range(1, min(len(s) - 1, end - self._sent) + 1)
                         if self._text[end - n: end] == s[:n]), default=0)
