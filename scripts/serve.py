@@ -21,6 +21,7 @@ import jax
 
 def parse_args(argv=None) -> argparse.Namespace:
     from jaxspec.config import METHOD_DEFAULTS
+    from jaxspec.serving.app import DEFAULT_MAX_BODY_BYTES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m",
@@ -65,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most likely tokens a request may ask for per position (completions `logprobs`, chat "
                         "`top_logprobs`); -1 turns log-probabilities off (default: %(default)s)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted, in bytes; larger ones get HTTP 413 (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling every batch size before listening (the first requests then wait)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -99,19 +102,20 @@ def main(argv=None) -> int:
                               max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs)
         policy = make_policy(args.policy, max_active=args.spec_max_active)
         lm = jaxspec.load_model(args.model)
+        engine = Engine(lm, config, policy=policy)
+        name = args.served_model_name or args.model
+
+        def announce():
+            print(f"jaxspec: serving {name} at http://{args.host}:{args.port} (method {spec.method}, "
+                  f"K={config.num_speculative_tokens}, policy {args.policy}, {config.max_slots} slots, "
+                  f"cache {config.cache_len})", flush=True)
+
+        app = create_app(engine, served_model_name=name, warmup=not args.no_warmup,
+                         graceful_timeout_s=args.graceful_timeout, on_ready=announce,
+                         max_body_bytes=args.max_body_bytes)
     except ValueError as e:
         print(f"serve.py: error: {e}", file=sys.stderr)
         return 2
-    name = args.served_model_name or args.model
-    engine = Engine(lm, config, policy=policy)
-
-    def announce():
-        print(f"jaxspec: serving {name} at http://{args.host}:{args.port} (method {spec.method}, "
-              f"K={config.num_speculative_tokens}, policy {args.policy}, {config.max_slots} slots, "
-              f"cache {config.cache_len})", flush=True)
-
-    app = create_app(engine, served_model_name=name, warmup=not args.no_warmup,
-                     graceful_timeout_s=args.graceful_timeout, on_ready=announce)
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.graceful_timeout)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP layer over the engine (FastAPI): routes, streaming, errors.
 
-Every request is validated here (HTTP 400 naming the field, 429 when the queue is full, 503 while shutting
-down) before it reaches the engine. Each choice of a request becomes one engine request; the engine thread
+Every request is validated here (HTTP 400 naming the field, 413 for a body over the size limit, 429 when the
+queue is full, 503 while shutting down) before it reaches the engine; tokenization of large prompts runs in a
+worker thread so it never stalls the streams the event loop is serving. Each choice of a request becomes one engine request; the engine thread
 hands its outputs to the event loop with `call_soon_threadsafe`. A client that goes away cancels its engine
 requests, which frees their rows within one chunk.
 """
@@ -24,8 +25,11 @@ from ..config import SamplingParams
 from ..engine import Engine, EngineStopped, InvalidRequest, Output, QueueFull, Request
 from .logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse, parse_json
 from .text import TextStream
+
+DEFAULT_MAX_BODY_BYTES = 2 << 20  # 2 MiB: a full 2048-token context is ~10 kB of text
+_OFF_LOOP_BYTES = 64 << 10  # parse and tokenize bodies larger than this in a worker thread
 
 # The HTTP field behind each engine `Request` field an InvalidRequest names ("prompt_ids": the request's
 # prompt or messages, filled in per endpoint).
@@ -97,10 +101,12 @@ class _Choice:
 
 
 def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, graceful_timeout_s: float = 30.0,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
+               on_ready: Callable[[], None] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app; its lifespan starts the engine (compiling every batch size unless `warmup` is False), calls
     `on_ready` once requests can be served, and on shutdown finishes in-flight requests for up to
-    `graceful_timeout_s` before failing the rest."""
+    `graceful_timeout_s` before failing the rest. A request body over `max_body_bytes` gets HTTP 413."""
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes={max_body_bytes!r} must be an integer >= 1")
     lm = engine.lm
     tokenizer = lm.tokenizer
     metrics = ServerMetrics(engine)
@@ -131,20 +137,40 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
     async def _request_error(request: HTTPRequest, err: RequestError):
         return error_response(err)
 
-    async def read_json(request: HTTPRequest) -> Any:
-        body = await request.body()
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not valid JSON: {e}", param=None) from None
+    def too_large(size: str) -> RequestError:
+        return RequestError(f"the request body has {size} bytes; this server takes at most {max_body_bytes}",
+                            status=413, code="request_too_large")
+
+    async def read_body(request: HTTPRequest) -> bytes:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_large(declared)
+        chunks, size = [], 0
+        async for chunk in request.stream():  # counted as it arrives: a chunked body declares no length
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_large(f"more than {max_body_bytes}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def read_request(request: HTTPRequest, model: type) -> Any:
+        """The body parsed and validated as `model`; a large one off the event loop."""
+        body = await read_body(request)
+        if len(body) > _OFF_LOOP_BYTES:
+            return await asyncio.to_thread(parse, model, parse_json(body))
+        return parse(model, parse_json(body))
 
     def check_model(name: str) -> None:
         if name != served_model_name:
             raise RequestError(f"model {name!r} does not exist; this server serves {served_model_name!r}",
                                param="model", code="model_not_found")
 
-    def encode(text: str, param: str) -> list[int]:
-        ids = tokenizer.encode(text)
+    async def encode(text: str, param: str) -> list[int]:
+        try:
+            ids = await asyncio.to_thread(tokenizer.encode, text) if len(text) > _OFF_LOOP_BYTES // 4 \
+                else tokenizer.encode(text)
+        except (ValueError, TypeError) as e:  # text the tokenizer cannot take is the client's error
+            raise RequestError(f"{param}: {e}", param=param) from None
         if not ids:
             raise RequestError(f"{param} is empty: at least one token is needed", param=param)
         return ids
@@ -169,7 +195,8 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
             try:
                 engine.validate(r)
             except InvalidRequest as e:
-                param = {"prompt_ids": prompt_param, "logprobs": logprobs_param}.get(e.field) or _ENGINE_PARAMS[e.field]
+                param = {"prompt_ids": prompt_param, "logprobs": logprobs_param}.get(e.field) or \
+                    _ENGINE_PARAMS.get(e.field)
                 raise RequestError(str(e), param=param) from None
         return requests
 
@@ -254,10 +281,17 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
     def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def check_errors(choices: list[_Choice]) -> None:
+    def engine_error(choices: list[_Choice]) -> RequestError | None:
+        """A server error for a request the engine failed (it failed that request alone), else None."""
         failed = [c for c in choices if c.finish_reason == "error"]
-        if failed:
-            raise RequestError(f"the engine failed: {failed[0].error}", status=500, type="server_error")
+        if not failed:
+            return None
+        return RequestError(f"the engine failed this request: {failed[0].error}", status=500, type="server_error")
+
+    def check_errors(choices: list[_Choice]) -> None:
+        err = engine_error(choices)
+        if err is not None:
+            raise err
 
     async def respond(request: HTTPRequest, body, choices: list[_Choice], prompt_tokens: int, arrived: float, *,
                       chat: bool):
@@ -291,6 +325,9 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
                         done = piece == "" and c.finish_reason is not None
                         if piece or done:
                             yield sse(envelope(obj, [piece_choice(c, piece, c.finish_reason if done else None)]))
+                    err = engine_error(choices)
+                    if err is not None:  # as OpenAI streams an error: an event carrying the error body
+                        yield sse(err.body())
                     if body.stream_options and body.stream_options.include_usage:
                         yield sse(envelope(obj, [], usage=usage(prompt_tokens, choices)))
                     yield "data: [DONE]\n\n"
@@ -327,19 +364,19 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "jaxspec", "max_model_len": engine.config.max_context}]}
+                                            "owned_by": "jaxspec", "max_model_len": engine.max_context}]}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         arrived = time.perf_counter()
-        body: CompletionRequest = parse(CompletionRequest, await read_json(request))
+        body: CompletionRequest = await read_request(request, CompletionRequest)
         check_model(body.model)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         if not prompts:
             raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-        ids_list = [encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
+        ids_list = [await encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
         requests = []
         for ids in ids_list:
             if not ids:
@@ -352,17 +389,17 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
         arrived = time.perf_counter()
-        body: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request))
+        body: ChatCompletionRequest = await read_request(request, ChatCompletionRequest)
         check_model(body.model)
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt=True)
         except ValueError as e:
             raise RequestError(f"messages: {e}", param="messages") from None
-        ids = encode(text, "messages")
+        ids = await encode(text, "messages")
         choices = submit(engine_requests(body, ids, "messages", None, "top_logprobs"), body.stop_strings)
         return await respond(request, body, choices, len(ids), arrived, chat=True)
 

@@ -3,11 +3,13 @@
 Fields follow OpenAI's completions and chat completions APIs; `top_k`, `min_p`, `ignore_eos`,
 `stop_token_ids` and `speculative` are jaxspec's additions (send them with the openai client's `extra_body`).
 Types are strict (a string is not a number) and every range is checked here, so the handler only sees valid
-values; unknown fields are ignored, as OpenAI's own server does.
+values; unknown fields are ignored, as OpenAI's own server does. The raw body is checked first: JSON only
+(no NaN or Infinity), and no string holding a lone UTF-16 surrogate, which no tokenizer can encode.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -34,7 +36,7 @@ class _Generation(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # 0 or -1 disables (vLLM's convention)
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # 0 or -1 disables (vLLM's convention); above the vocabulary: no limit
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -130,6 +132,56 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+_MAX_SHOWN = 200  # characters of an offending value quoted back in an error message
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else f"{text[:_MAX_SHOWN]}... ({len(text)} characters)"
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _lone_surrogate_path(data: Any) -> str | None:
+    """The dotted path of the first string (key or value) holding a lone surrogate, or None.
+
+    Iterative: a body may nest as deep as the JSON parser allows."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                child = f"{path}.{key}" if path else str(key)
+                stack.append((child, key))
+                stack.append((child, value))
+        elif isinstance(item, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(item))
+    return None
+
+
+def parse_json(body: bytes) -> Any:
+    """The JSON value of a request body, or a RequestError: not JSON, NaN/Infinity, nested too deep, or a
+    string with a lone surrogate (named by its path)."""
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise RequestError(f"the request body is not valid JSON: {e}", param=None) from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply", param=None) from None
+    path = _lone_surrogate_path(data)
+    if path is not None:
+        raise RequestError(f"{path}: the text holds a lone UTF-16 surrogate, which is not valid Unicode",
+                           param=path)
+    return data
+
+
 def validation_error(err: ValidationError) -> RequestError:
     """The first pydantic error as a RequestError naming the field by its dotted path (`messages.0.role`)."""
     first = err.errors(include_url=False)[0]
@@ -138,7 +190,7 @@ def validation_error(err: ValidationError) -> RequestError:
     loc = [p for p in loc if not (p[:1].isupper() or p.startswith(("str", "list[", "literal[", "function-")))]
     param = ".".join(loc) or None
     what = f"{param}: " if param else ""
-    return RequestError(f"{what}{first['msg']} (got {first.get('input')!r})", param=param)
+    return RequestError(f"{what}{first['msg']} (got {_shown(first.get('input'))})", param=param)
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
@@ -148,3 +200,5 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply", param=None) from None
