@@ -49,6 +49,14 @@ SERVABLE_METHODS = ("none", "ngram", "sam")  # deterministic chain proposers: an
 HEAD_METHODS_SERVED = ("medusa", "eagle", "eagle2")  # trained heads: one of them at a time, beside "none"
 _MAX_STOP_IDS = 8
 _PROMPT_BUCKET_MIN = 16
+_MAX_CONSECUTIVE_FAILURES = 3  # chunks failing in a row before the engine gives up (a broken device, not a request)
+# The dtype each sampling setting has in the batch's arrays (`SamplingParams.stack`).
+_SAMPLING_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
+                    "seed": np.uint32}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 class InvalidRequest(ValueError):
@@ -210,6 +218,10 @@ class Engine:
     def __init__(self, lm: LanguageModel, config: EngineConfig = EngineConfig(),
                  policy: SpeculationPolicy | None = None,
                  observers: Sequence[Callable[[str, dict], None]] = ()):
+        context = lm.config.max_position_embeddings
+        if config.cache_len > context:
+            raise ValueError(f"cache_len={config.cache_len} exceeds the {context} positions model {lm.name!r} "
+                             f"was trained for (max_position_embeddings); choose cache_len <= {context}")
         self.lm = lm
         self.eos_ids = tuple(lm.tokenizer.eos_token_ids) if lm.tokenizer is not None else ()
         self.config = config
@@ -264,6 +276,11 @@ class Engine:
         tokens a row, so one fixed-size window (one compiled program per slot bucket) always holds them."""
         return min(self.config.chunk_steps * (self.k + 1), self.config.cache_len)
 
+    @property
+    def max_context(self) -> int:
+        """Prompt + generated tokens a request may hold (within the model's context by construction)."""
+        return self.config.max_context
+
     def check_method(self, method: str) -> None:
         if method not in self.config.methods:
             raise InvalidRequest("method", f"method={method!r} is not served; choose one of {self.config.methods}")
@@ -274,6 +291,8 @@ class Engine:
         if n == 0:
             raise InvalidRequest("prompt_ids", "prompt is empty: at least one token is needed")
         vocab = self.lm.config.vocab_size
+        if not all(_is_int(t) for t in request.prompt_ids):
+            raise InvalidRequest("prompt_ids", "prompt_ids must be integers")
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest("prompt_ids", f"prompt has token id {bad[0]} outside [0, {vocab})")
@@ -286,6 +305,7 @@ class Engine:
             raise InvalidRequest("max_tokens", f"max_tokens={request.max_tokens} with a {n}-token prompt needs "
                              f"{n + request.max_tokens} tokens of context; the context holds {limit}")
         self.check_method(request.method or self.config.spec.method)
+        self._check_sampling(request.sampling)
         top = request.logprobs
         if top is not None:
             most = self.config.max_logprobs
@@ -300,9 +320,27 @@ class Engine:
         if len(stops) > _MAX_STOP_IDS:
             raise InvalidRequest("stop_token_ids", f"stop_token_ids has {len(request.stop_token_ids)} ids; at most "
                              f"{_MAX_STOP_IDS - len(self.eos_ids)} are allowed")
+        if not all(_is_int(t) for t in request.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", "stop_token_ids must be integers")
         bad = [t for t in request.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest("stop_token_ids", f"stop_token_ids has id {bad[0]} outside [0, {vocab})")
+
+    @staticmethod
+    def _check_sampling(sampling: SamplingParams) -> None:
+        """The settings must become one row of the batch's arrays (`SamplingParams.stack`) without error: a
+        value that fails there would fail on the engine thread, for every row."""
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequest("sampling", f"sampling={sampling!r} must be a jaxspec.SamplingParams")
+        for name, dtype in _SAMPLING_DTYPES.items():
+            value = getattr(sampling, name)
+            try:
+                row = np.asarray(value, dtype)  # as `SamplingParams.stack` converts it
+                exact = row.ndim == 0 and (np.issubdtype(dtype, np.floating) or int(row) == value)
+            except (TypeError, ValueError, OverflowError):
+                exact = False
+            if not exact:
+                raise InvalidRequest("sampling", f"sampling.{name}={value!r} is not one {np.dtype(dtype).name} value")
 
     # ------------------------------------------------------------------ public API
 
@@ -366,6 +404,7 @@ class Engine:
             if warmup:
                 self._warmup()
             self.ready.set()
+            failures = 0  # chunks failed in a row
             while True:
                 with self._lock:
                     stop_now = self._stopping and (not self._drain or (not self._waiting and not self.num_active))
@@ -376,9 +415,18 @@ class Engine:
                     break
                 self._retire_cancelled()
                 self._admit()
-                if self.num_active:
+                if not self.num_active:
+                    continue
+                try:
                     self._chunk()
                     self._maybe_shrink()
+                    failures = 0
+                except Exception as e:  # noqa: BLE001 - the running requests fail; the engine serves on
+                    failures += 1
+                    if failures >= _MAX_CONSECUTIVE_FAILURES:
+                        raise
+                    log.exception("decode chunk failed; failing the %d running requests", self.num_active)
+                    self._reset(f"decoding failed: {e!r}")
         except BaseException as e:  # noqa: BLE001 - every waiting client must hear about it
             log.exception("engine loop failed")
             self.failed = e
@@ -506,15 +554,38 @@ class Engine:
             if cancelled:
                 self._finish(live, [], "cancelled")
                 continue
-            if not free:
-                bigger = next(b for b in self.config.slot_buckets if b > len(self._slots))
-                self._resize(bigger)
-                free = [i for i, s in enumerate(self._slots) if s is None]
-            self._admit_one(free[0], live)
+            try:
+                if not free:
+                    bigger = next(b for b in self.config.slot_buckets if b > len(self._slots))
+                    self._resize(bigger)
+                    free = [i for i, s in enumerate(self._slots) if s is None]
+                self._admit_one(free[0], live)
+            except Exception as e:  # noqa: BLE001 - a request that cannot be admitted fails alone, and is answered
+                self._admission_failed(live, e)
+                continue
             for observer in self.observers:
                 observer("admit", {"queued_s": live.admitted - live.submitted - live.prefill_s,
                                    "prefill_s": live.prefill_s, "prompt_tokens": len(live.request.prompt_ids)})
             self.metrics.requests_running = self.num_active
+
+    def _admission_failed(self, live: _Live, error: Exception) -> None:
+        log.exception("request %d: admission failed; failing that request", live.request_id)
+        self._slots = [None if s is live else s for s in self._slots]
+        self._finish(live, [], "error", error=f"admission failed: {error!r}")
+        if self._state is None or any(x.is_deleted() for x in jax.tree.leaves(self._state)):
+            # The failure struck after the state was donated to a device program: the rows are gone.
+            self._reset(f"the batch was lost while admitting request {live.request_id}: {error!r}")
+        self.metrics.requests_running = self.num_active
+
+    def _reset(self, error: str) -> None:
+        """Fail every running request and start over from an empty state of the smallest batch."""
+        for live in self._slots:
+            if live is not None:
+                self._finish(live, [], "error", error=error)
+        self._slots = []
+        self._state = None
+        self._resize(self.config.slot_buckets[0])
+        self.metrics.requests_running = 0
 
     def _retire_cancelled(self) -> None:
         with self._lock:
