@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

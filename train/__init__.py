@@ -8,6 +8,13 @@ Modules: `prompts` (HumanEval split, standard-library prompts), `data` (generati
 small module per head (`eagle`, `medusa`).
 """
 
+try:  # the [train] extra; the core install (`import jaxspec`, generation) needs none of these
+    import optax  # noqa: F401
+    import orbax.checkpoint  # noqa: F401
+    import tqdm  # noqa: F401
+except ImportError as e:
+    raise ImportError(f"jaxspec.train needs the training extra: pip install 'jaxspec[train]' ({e})") from e
+
 from .batches import Batch, Batches, WindowSpec
 from .data import GenerationSettings, SelfDistillData, ensure_dataset
 from .loop import TrainConfig, TrainResult, evaluate_head, train
