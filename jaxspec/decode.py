@@ -31,6 +31,12 @@ from .sampling import row_keys, sample
 from .tree import depths, gather_nodes, gather_path, tree_ancestor_mask, verify_tree
 
 
+# What a draft token outside [0, vocab) becomes before anything is fed to the target: the embedding lookup of
+# an out-of-range id gives NaN, whose K/V would stay in the cache past the row's length and poison the row.
+# Any id inside the vocabulary serves, since a draft holding the placeholder is never accepted.
+OOV_DRAFT_PLACEHOLDER = 0
+
+
 @flax.struct.dataclass
 class RowLimits:
     max_new_tokens: jax.Array  # i32[B]  at least 1
@@ -189,11 +195,13 @@ def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, k: int) -> lp
     return scored.pad(k + 1)
 
 
-def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, node_depth: jax.Array,
-                           num_nodes: jax.Array, max_draft: jax.Array, sampling: SamplingParams, k: int,
-                           max_depth: int, attention_impl: str, want_features: bool):
+def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: jax.Array,
+                           node_depth: jax.Array, num_nodes: jax.Array, max_draft: jax.Array,
+                           sampling: SamplingParams, k: int, max_depth: int, attention_impl: str,
+                           want_features: bool):
     """The tree version: one forward over the root and the first `width - 1` draft nodes under their ancestor
-    mask, verification along the tree, and the accepted path's K/V moved to contiguous slots.
+    mask, verification along the tree, and the accepted path's K/V moved to contiguous slots. A node whose
+    token was out of the vocabulary (`in_vocab` bool[B, K] False), or under such a node, is never accepted.
 
     Node i's K/V is written at slot lengths + i; after verification path node j moves to slot lengths + j, so
     the cache again holds a plain prefix and later steps never see the tree.
@@ -203,10 +211,12 @@ def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, 
     tokens, parents = draft.tokens[:, :n], draft.parents[:, :n]  # [B, n]
     fed = jnp.concatenate([state.last_tokens[:, None], tokens], axis=1)  # [B, width]: root, then the nodes
     depth = node_depth[:, :width]  # i32[B, width]: a parent precedes its child, so a prefix keeps its depths
-    out, cache = model(fed, cache.lengths[:, None] + depth, cache, tree_mask=tree_ancestor_mask(parents),
-                       attention_impl=attention_impl)
-    # Nodes past the row's node count, or deeper than it may still emit, are never accepted.
-    valid = (jnp.arange(n) < num_nodes[:, None]) & (depth[:, 1:] <= max_draft[:, None])  # bool[B, n]
+    mask = tree_ancestor_mask(parents)  # bool[B, width, width]
+    out, cache = model(fed, cache.lengths[:, None] + depth, cache, tree_mask=mask, attention_impl=attention_impl)
+    # Nodes past the row's node count, deeper than it may still emit, or on a path through an out-of-vocabulary
+    # token are never accepted.
+    valid = ((jnp.arange(n) < num_nodes[:, None]) & (depth[:, 1:] <= max_draft[:, None])
+             & _path_in_vocab(mask, in_vocab[:, :n]))  # bool[B, n]
     probs = None if draft.probs is None else draft.probs[:, :n]
     keys = jax.vmap(jax.random.key)(sampling.seed)
     path, out_tokens, num = verify_tree(keys, out.logits, tokens, parents, valid, probs, sampling,
@@ -220,6 +230,27 @@ def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, 
     return out_tokens, num, cache, features, scored
 
 
+def _replace_out_of_vocab(draft: Draft, vocab: int) -> tuple[Draft, jax.Array]:
+    """The draft with every token outside [0, vocab) replaced by OOV_DRAFT_PLACEHOLDER, and bool[B, K] which
+    tokens were inside it. Proposers are pluggable (a custom one, a static corpus): nothing they return may
+    reach the target's embedding lookup out of range."""
+    tokens = draft.tokens.astype(jnp.int32)  # i32[B, K]
+    in_vocab = (tokens >= 0) & (tokens < vocab)  # bool[B, K]
+    return draft.replace(tokens=jnp.where(in_vocab, tokens, OOV_DRAFT_PLACEHOLDER)), in_vocab
+
+
+def _leading_in_vocab(in_vocab: jax.Array) -> jax.Array:
+    """i32[B] drafts before a chain's first out-of-vocabulary one (bool[B, K])."""
+    return jnp.sum(jnp.cumprod(in_vocab.astype(jnp.int32), axis=1), axis=1)
+
+
+def _path_in_vocab(mask: jax.Array, in_vocab: jax.Array) -> jax.Array:
+    """bool[B, n]: node i+1 and all its ancestors hold in-vocabulary tokens, so node validity stays closed under
+    ancestors (mask bool[B, n+1, n+1] from tree_ancestor_mask, in_vocab bool[B, n])."""
+    ok = jnp.concatenate([jnp.ones_like(in_vocab[:, :1]), in_vocab], axis=1)  # bool[B, n+1], the root is fed
+    return jnp.all(~mask | ok[:, None, :], axis=-1)[:, 1:]
+
+
 def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
               limits: RowLimits, widths: tuple[int, ...], attention_impl: str = "xla") -> DecodeState:
     """Propose, score, verify, commit: one step for every row (finished rows ride along and commit nothing)."""
@@ -229,21 +260,24 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     ctx = _context(state, sampling, limits, k)
     keys = row_keys(sampling.seed, state.cache.lengths)
     draft, pstate = proposer.propose(proposer_params, state.pstate, ctx, keys)
+    draft, in_vocab = _replace_out_of_vocab(draft, model.cfg.vocab_size)
     want_features = getattr(proposer, "needs_features", False)
     is_tree = draft.parents is not None
     node_depth = depths(draft.parents) if is_tree else None  # i32[B, K+1], the root included
-    # A chain's drafts are its depth; a tree's nodes are bounded by the node count, its depth by max_draft.
-    num_draft = jnp.where(ctx.max_draft > 0, draft.num_draft, 0) if is_tree else jnp.minimum(draft.num_draft,
-                                                                                               ctx.max_draft)
+    proposed = jnp.clip(draft.num_draft, 0, k).astype(jnp.int32)  # i32[B]
+    # A chain's drafts are its depth, cut at its first out-of-vocabulary token; a tree's nodes are bounded by
+    # the node count (out-of-vocabulary ones are marked invalid), its depth by max_draft.
+    num_draft = (jnp.where(ctx.max_draft > 0, proposed, 0) if is_tree
+                 else jnp.minimum(jnp.minimum(proposed, ctx.max_draft), _leading_in_vocab(in_vocab)))
 
     # The narrowest compiled width that holds the longest draft in the batch: a step where nobody drafts
     # costs one plain decode step, not c(K+1) of them.
     def branch(width):
         n = jnp.minimum(num_draft, width - 1)
         if is_tree:
-            return lambda: _score_and_verify_tree(model, width, state, draft, node_depth, n, ctx.max_draft,
-                                                  sampling, k, getattr(proposer, "max_depth", k), attention_impl,
-                                                  want_features)
+            return lambda: _score_and_verify_tree(model, width, state, draft, in_vocab, node_depth, n,
+                                                  ctx.max_draft, sampling, k, getattr(proposer, "max_depth", k),
+                                                  attention_impl, want_features)
         return lambda: _score_and_verify(model, width, state, draft, n, sampling, k, attention_impl, want_features)
 
     if len(widths) == 1:

@@ -28,6 +28,7 @@ from .proposers.eagle import EagleProposer
 from .proposers.medusa import MedusaProposer
 from .proposers.ngram import NgramProposer
 from .proposers.sam import SamProposer
+from .proposers.suffix_automaton import StaticSuffixAutomaton
 from .tree import TreeTopology
 
 _BUCKET_MIN = 16
@@ -116,42 +117,113 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+def _is_int(x) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_token_list(x) -> bool:
+    """A list, tuple or 1-D integer array of token ids (possibly empty): one prompt, not a batch."""
+    if isinstance(x, np.ndarray):
+        return x.ndim == 1 and x.dtype.kind in "iu"
+    return isinstance(x, (list, tuple)) and all(_is_int(t) for t in x)
+
+
+def _encode(lm: LanguageModel, i: int, text: str) -> list[int]:
+    """Prompt i's text as token ids, or ValueError naming the prompt."""
+    if lm.tokenizer is None:
+        raise ValueError(f"prompt {i} is text but model {lm.name!r} has no tokenizer; pass token ids")
+    try:
+        text.encode("utf-8")  # lone surrogates ("\ud800") are not text the tokenizer can take
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt {i} is not valid Unicode text: {e.reason} at index {e.start} "
+                         f"({text[e.start:e.end]!r})") from e
+    try:
+        return list(lm.tokenizer.encode(text))
+    except (TypeError, ValueError, UnicodeError) as e:
+        raise ValueError(f"prompt {i} could not be tokenised: {e}") from e
+
+
 def normalise_prompts(lm: LanguageModel, prompts) -> list[list[int]]:
     """Token-id lists from one prompt or a list (strings encoded with the model's tokenizer, ids checked)."""
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                    and all(isinstance(t, (int, np.integer)) for t in prompts)):
+    if isinstance(prompts, str) or (_is_token_list(prompts) and len(prompts) > 0):
         prompts = [prompts]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings or token-id lists")
+    vocab = lm.config.vocab_size
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
-            if lm.tokenizer is None:
-                raise ValueError(f"prompt {i} is text but model {lm.name!r} has no tokenizer; pass token ids")
-            p = lm.tokenizer.encode(p)
-        ids = [int(t) for t in p]
+            ids = _encode(lm, i, p)
+        elif _is_token_list(p):
+            ids = [int(t) for t in p]
+        else:
+            raise ValueError(f"prompt {i}={p!r} must be a string or a list of integer token ids")
         if not ids:
             raise ValueError(f"prompt {i} is empty: at least one token is needed")
-        bad = [t for t in ids if not 0 <= t < lm.config.vocab_size]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, {lm.config.vocab_size})")
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, {vocab})")
         out.append(ids)
     return out
 
 
+def _checked_stop_ids(ids, vocab: int, where: str) -> list[int]:
+    """One list of stop ids, each an integer in [0, vocab), or ValueError naming `where`."""
+    if not _is_token_list(ids):
+        raise ValueError(f"{where}={ids!r} must be a list of integer token ids")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{where} has token id {bad[0]} outside [0, {vocab})")
+    return [int(t) for t in ids]
+
+
 def _stop_ids(lm: LanguageModel, num_rows: int, stop_token_ids, ignore_eos: bool) -> np.ndarray:
+    """i32[B, M] each row's stop ids (EOS unless ignore_eos, then the user's), -1 padded."""
+    vocab = lm.config.vocab_size
     eos = () if ignore_eos or lm.tokenizer is None else tuple(lm.tokenizer.eos_token_ids)
-    if stop_token_ids and isinstance(stop_token_ids[0], (list, tuple)):
+    per_prompt = (isinstance(stop_token_ids, (list, tuple)) and len(stop_token_ids) > 0
+                  and all(isinstance(s, (list, tuple, np.ndarray)) for s in stop_token_ids))
+    if per_prompt:
         if len(stop_token_ids) != num_rows:
             raise ValueError(f"stop_token_ids has {len(stop_token_ids)} lists for {num_rows} prompts")
-        per_row = [list(eos) + [int(t) for t in s] for s in stop_token_ids]
+        per_row = [list(eos) + _checked_stop_ids(s, vocab, f"stop_token_ids[{i}]")
+                   for i, s in enumerate(stop_token_ids)]
     else:
-        per_row = [list(eos) + [int(t) for t in stop_token_ids]] * num_rows
+        per_row = [list(eos) + _checked_stop_ids(stop_token_ids, vocab, "stop_token_ids")] * num_rows
     width = max(1, max(len(r) for r in per_row))
     table = np.full((num_rows, width), -1, np.int32)
     for i, r in enumerate(per_row):
         table[i, : len(r)] = r
     return table
+
+
+def _row_sampling(sampling, batch: int) -> SamplingParams:
+    """Per-row sampling arrays [B] from one SamplingParams or one per prompt, or ValueError."""
+    if isinstance(sampling, SamplingParams):
+        return sampling.broadcast(batch)
+    if not isinstance(sampling, (list, tuple)):
+        raise ValueError(f"sampling={sampling!r} must be a SamplingParams or a list of them, one per prompt")
+    if len(sampling) != batch:
+        raise ValueError(f"sampling has {len(sampling)} entries for {batch} prompts")
+    for i, s in enumerate(sampling):
+        if not isinstance(s, SamplingParams):
+            raise ValueError(f"sampling[{i}]={s!r} must be a SamplingParams")
+    return SamplingParams.stack(list(sampling))
+
+
+def _check_scalars(lm: LanguageModel, *, max_new_tokens, logprobs, ignore_eos, max_cache_len) -> None:
+    """ValueError naming the first bad scalar argument of `generate`."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= lm.config.vocab_size):
+        raise ValueError(f"logprobs={logprobs!r} must be None or an integer in [0, {lm.config.vocab_size}]")
+    if not isinstance(ignore_eos, (bool, np.bool_)):
+        raise ValueError(f"ignore_eos={ignore_eos!r} must be True or False")
+    context = lm.config.max_position_embeddings
+    if max_cache_len is not None and (not _is_int(max_cache_len) or not 1 <= max_cache_len <= context):
+        raise ValueError(f"max_cache_len={max_cache_len!r} must be None or an integer in [1, {context}] "
+                         f"(the context length of {lm.name!r})")
 
 
 def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int, k: int) -> tuple[int, int, int]:
@@ -195,6 +267,17 @@ def medusa_topology(meta: dict, budget: int) -> TreeTopology:
     return TreeTopology.default(depth=int(meta["num_heads"]), top_k=4, budget=budget)
 
 
+def _check_static_sam(lm: LanguageModel, static_sam) -> None:
+    """A static automaton must hold only token ids the target can embed."""
+    if not isinstance(static_sam, StaticSuffixAutomaton):
+        raise ValueError(f"static_sam={static_sam!r} must be a jaxspec.StaticSuffixAutomaton")
+    vocab = lm.config.vocab_size
+    low, high = static_sam.min_token_id(), static_sam.max_token_id()
+    if low < 0 or high >= vocab:
+        raise ValueError(f"static_sam holds token id {low if low < 0 else high} outside [0, {vocab}): its corpus "
+                         f"must come from the vocabulary of {lm.name!r}")
+
+
 def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, buffer_len: int,
                    cache_len: int) -> tuple[Proposer, object]:
     """The proposer (static settings) and its params (a pytree passed to the device) for `spec`."""
@@ -207,6 +290,8 @@ def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, bu
         return NgramProposer(k, ngram_max=spec.ngram_max, min_match=spec.min_match,
                              draft_per_match=spec.draft_per_match), None
     if spec.method == "sam":
+        if spec.sam_source != "dynamic":
+            _check_static_sam(lm, spec.static_sam)
         return SamProposer(k, max_text_len=prompt_width + buffer_len, source=spec.sam_source,
                            min_match=spec.min_match, draft_per_match=spec.draft_per_match), spec.static_sam
     if spec.method in HEAD_METHODS:
@@ -245,8 +330,8 @@ def generate(
 
     `sampling` is one SamplingParams for every row or one per prompt (greedy and sampled rows may share a
     batch). Rows stop at EOS (unless `ignore_eos`), at any of `stop_token_ids` (one list for all rows or one
-    per prompt), or after `max_new_tokens`. The cache holds at most `max_cache_len` tokens per row (default:
-    the model's context length). `attention_impl` is "xla" or "pallas" (the verification kernel, run in
+    per prompt), or after `max_new_tokens`. The cache holds at most `max_cache_len` tokens per row (default and
+    upper bound: the model's context length). `attention_impl` is "xla" or "pallas" (the verification kernel, run in
     interpret mode on CPU); by default "pallas" on a GPU and "xla" elsewhere. `spec` chooses speculative
     decoding (a proposer and its draft budget); the default, method "none", decodes plainly through the same
     loop. Greedy output is the same with or without speculation; sampled output follows the same distribution.
@@ -256,15 +341,16 @@ def generate(
     spec = SpecConfig() if spec is None else spec
     if not isinstance(spec, SpecConfig):
         raise ValueError(f"spec={spec!r} must be a jaxspec.SpecConfig")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
-                                 or not 0 <= logprobs <= lm.config.vocab_size):
-        raise ValueError(f"logprobs={logprobs!r} must be None or an integer in [0, {lm.config.vocab_size}]")
+    _check_scalars(lm, max_new_tokens=max_new_tokens, logprobs=logprobs, ignore_eos=ignore_eos,
+                   max_cache_len=max_cache_len)
+    # numpy integers pass the checks; shapes and static jit arguments need Python ints.
+    max_new_tokens, ignore_eos = int(max_new_tokens), bool(ignore_eos)
+    logprobs = None if logprobs is None else int(logprobs)
+    max_cache_len = None if max_cache_len is None else int(max_cache_len)
     if attention_impl is None:
         attention_impl = default_attention_impl()
-    if attention_impl not in ("xla", "pallas"):
-        raise ValueError(f"attention_impl={attention_impl!r} must be 'xla' or 'pallas'")
+    if not isinstance(attention_impl, str) or attention_impl not in ("xla", "pallas"):
+        raise ValueError(f"attention_impl={attention_impl!r} must be None, 'xla' or 'pallas'")
     ids = normalise_prompts(lm, prompts)
     batch = len(ids)
     limit = lm.config.max_position_embeddings if max_cache_len is None else max_cache_len
@@ -272,12 +358,8 @@ def generate(
         if len(p) + max_new_tokens > limit:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                              f"{len(p) + max_new_tokens} cache slots but max_cache_len={limit}")
-    if isinstance(sampling, SamplingParams):
-        rows = sampling.broadcast(batch)
-    else:
-        if len(sampling) != batch:
-            raise ValueError(f"sampling has {len(sampling)} entries for {batch} prompts")
-        rows = SamplingParams.stack(list(sampling))
+    stop_table = _stop_ids(lm, batch, stop_token_ids, ignore_eos)
+    rows = _row_sampling(sampling, batch)
     prompt_lens = [len(p) for p in ids]
     if max_new_tokens == 0:
         empty = GenerateStats(prompt_tokens=sum(prompt_lens), generated_tokens=0, steps=0, prefill_s=0.0, decode_s=0.0)
@@ -289,7 +371,7 @@ def generate(
     for i, p in enumerate(ids):
         padded[i, : len(p)] = p
     limits = RowLimits(max_new_tokens=jnp.full((batch,), max_new_tokens, jnp.int32),
-                       stop_ids=jnp.asarray(_stop_ids(lm, batch, stop_token_ids, ignore_eos)))
+                       stop_ids=jnp.asarray(stop_table))
 
     proposer, proposer_params = build_proposer(lm, spec, prompt_width=width, buffer_len=buffer_len,
                                                cache_len=cache_len)
@@ -308,7 +390,6 @@ def generate(
         (state.history, state.history_len, state.steps, state.counters, state.logprobs))
     t2 = time.perf_counter()
 
-    stop_table = np.asarray(limits.stop_ids)
     token_ids, texts, reasons, row_stats = [], [], [], []
     for i in range(batch):
         row = history[i, prompt_lens[i]: history_len[i]].tolist()

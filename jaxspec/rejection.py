@@ -2,8 +2,9 @@
 
 A row drafts `num_draft` tokens; one target forward gives logits at K+1 positions, position j judging
 draft j (the token after draft j-1) and position K scoring the token after a fully accepted draft. The target
-distribution p_j is the *processed* one (`process_logits`: temperature, top-k, top-p, min-p; greedy rows a
-point mass on the argmax), so speculation changes how fast tokens come, never their distribution.
+distribution p_j is the *processed* one (`process_logits`: temperature, top-k, top-p, min-p; greedy rows, those
+with a temperature below `GREEDY_BELOW`, a point mass on the argmax), so speculation changes how fast tokens
+come, never their distribution.
 
 Vocabulary: drafts are *accepted* left to right until the first rejection at position n; the row then emits
 the n accepted drafts and one token of the target's own at position n: the *recovered* token when draft n was
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import SamplingParams
-from .sampling import argmax, process_logits
+from .sampling import argmax, is_greedy, process_logits
 
 _ACCEPT_STREAM = 0x5EC0DE  # far above any draft index, so no draft-model key coincides with it
 
@@ -60,7 +61,7 @@ def rejection_sample(keys: jax.Array, target_logits: jax.Array, draft_tokens: ja
     draft_tokens: i32[B, K]; entries at j >= num_draft are ignored.
     draft_probs: f32[B, K, V] the draft's (processed) distributions, or None for deterministic drafts.
     num_draft: i32[B] in [0, K].
-    sampling: scalars or per-row arrays [B]; temperature 0 is greedy.
+    sampling: scalars or per-row arrays [B]; temperatures below GREEDY_BELOW (0 included) are greedy.
     positions: i32[B] absolute position of each row's first output token (None: 0).
     Returns (output tokens i32[B, K+1] padded with -1, their count i32[B] in [1, num_draft + 1]).
     """
@@ -113,4 +114,4 @@ def rejection_sample(keys: jax.Array, target_logits: jax.Array, draft_tokens: ja
         return _emit(draft_tokens, n, last)
 
     # An all-greedy batch needs neither the processed distribution nor random numbers, as in `sample`.
-    return jax.lax.cond(jnp.all(jnp.asarray(sampling.temperature) <= 0), greedy, sampled)
+    return jax.lax.cond(jnp.all(is_greedy(sampling.temperature)), greedy, sampled)

@@ -1,9 +1,9 @@
 """From logits to the processed distribution that plain sampling draws from and verification judges by.
 
 Order of operations (as Hugging Face and vLLM apply them): temperature, top-k, top-p, min-p; greedy rows
-(temperature 0) become a point mass on the argmax. Excluded tokens get logit -inf, so their probability is
-exactly zero, which lossless rejection sampling relies on. Thresholds compare values, so tokens tied with
-the k-th (or the last top-p) token are kept too.
+(temperature below `GREEDY_BELOW`, 0 included) become a point mass on the argmax. Excluded tokens get logit
+-inf, so their probability is exactly zero, which lossless rejection sampling relies on. Thresholds compare
+values, so tokens tied with the k-th (or the last top-p) token are kept too.
 """
 
 from __future__ import annotations
@@ -12,6 +12,19 @@ import jax
 import jax.numpy as jnp
 
 from .config import SamplingParams
+
+# Temperatures below this floor are greedy, exactly as temperature 0, everywhere a row's temperature decides
+# between the argmax and a draw (`process_logits`, `sample`, `is_greedy`, chain and tree verification, and the
+# proposers, which sample through this module). Why a floor: logits / T overflows float32 to inf for tiny T
+# (already at T < ~1e-37 for logits of size ~10), and inf logits draw token 0 or make NaN probabilities. Why
+# 1e-5, the epsilon vLLM treats as greedy: above it, logits of magnitude up to ~1e30 stay finite after the
+# division, and below it sampling is already a point mass in practice: a logit gap of 1e-3 becomes e^-100.
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(temperature: jax.Array) -> jax.Array:
+    """bool[...] rows that decode greedily: temperature below `GREEDY_BELOW`."""
+    return jnp.asarray(temperature) < GREEDY_BELOW
 
 
 def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -40,8 +53,8 @@ def process_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     temperature = _per_row(sampling.temperature, z)
     top_k, top_p = _per_row(sampling.top_k, z), _per_row(sampling.top_p, z)
     min_p = _per_row(sampling.min_p, z)
-    greedy = temperature <= 0
-    z = z / jnp.where(greedy, 1.0, temperature)
+    greedy = is_greedy(temperature)
+    z = z / jnp.where(greedy, 1.0, temperature)  # finite: non-greedy temperatures are >= GREEDY_BELOW
 
     # Sorting the vocabulary is the costly part: skip it when no row asks for top-k or top-p.
     needs_sort = jnp.any((top_k > 0) | (top_p < 1))
@@ -89,4 +102,4 @@ def sample(keys: jax.Array, logits: jax.Array, sampling: SamplingParams) -> jax.
         return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
 
     # An all-greedy batch needs neither the processed distribution nor random numbers over the vocabulary.
-    return jax.lax.cond(jnp.all(jnp.asarray(sampling.temperature) <= 0), lambda: argmax(logits), draw)
+    return jax.lax.cond(jnp.all(is_greedy(sampling.temperature)), lambda: argmax(logits), draw)

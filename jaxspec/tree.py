@@ -34,7 +34,7 @@ import numpy as np
 
 from .config import SamplingParams
 from .rejection import _ACCEPT_STREAM
-from .sampling import argmax, process_logits
+from .sampling import argmax, is_greedy, process_logits
 
 __all__ = [
     "TreeTopology",
@@ -501,7 +501,7 @@ def verify_tree(keys: jax.Array, target_logits: jax.Array, tokens: jax.Array, pa
     node_valid: bool[B, K] nodes that may be accepted, closed under ancestors.
     draft_probs: f32[B, K, V] by node (draft_probs[:, j]: what node j's children were drawn from, i.i.d.),
       or None for deterministic drafts (top-k candidates, lookups).
-    sampling: scalars or per-row arrays [B]; temperature 0 is greedy.
+    sampling: scalars or per-row arrays [B]; temperatures below GREEDY_BELOW (0 included) are greedy.
     positions: i32[B] absolute position of each row's first output token (None: 0).
     max_depth: static D in [0, K] (None: K); nodes deeper than D are never accepted.
     Returns (path i32[B, D+1] accepted node indices from the root, path[:, 0] = 0, -1 padded; output tokens
@@ -558,7 +558,7 @@ def verify_tree(keys: jax.Array, target_logits: jax.Array, tokens: jax.Array, pa
         return path, _at(t, jnp.max(path, axis=1))
 
     # An all-greedy batch needs neither the processed distribution nor random numbers, as in `sample`.
-    path, last = jax.lax.cond(jnp.all(jnp.asarray(sampling.temperature) <= 0), greedy, sampled)
+    path, last = jax.lax.cond(jnp.all(is_greedy(sampling.temperature)), greedy, sampled)
     return (path, *_emit(tokens, path, last))
 
 

@@ -40,6 +40,8 @@ def main(argv=None) -> int:
         lm = jaxspec.load_model(args.model, dtype=args.dtype)
         prompt = args.prompt
         if args.chat:
+            if lm.tokenizer is None:
+                raise ValueError(f"--chat needs a tokenizer with a chat template; model {lm.name!r} has none")
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             prompt = lm.tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}])
         spec = jaxspec.SpecConfig(method=args.spec, num_speculative_tokens=args.num_speculative_tokens)

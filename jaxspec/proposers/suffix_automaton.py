@@ -45,7 +45,7 @@ automaton of a 1000-token prompt: 30 ms for 1 row, 80 ms for 8 rows.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import flax.struct
 import jax
@@ -376,12 +376,20 @@ class StaticSuffixAutomaton(_NodeColumns):
 
         A draft is the corpus tokens after the match's first occurrence, up to the corpus end: it may run
         through a separator into the next sequence (verification rejects what does not fit).
+
+        Token ids (and the separator) must be integers in [0, 2**31 - 1]: the tables hold int32. Ids at or past
+        a model's vocabulary are caught where the automaton meets the model (`generate`, via `max_token_id`).
         """
+        separator = _corpus_id(separator, "separator")
+        if not _is_token_iterable(sequences):
+            raise ValueError(f"sequences={sequences!r} must be a list of token-id lists")
         corpus: list[int] = []
         for i, seq in enumerate(sequences):
+            if not _is_token_iterable(seq):
+                raise ValueError(f"sequences[{i}]={seq!r} must be a list of token ids")
             if i:
-                corpus.append(int(separator))
-            corpus.extend(int(t) for t in seq)
+                corpus.append(separator)
+            corpus.extend(_corpus_id(t, f"sequences[{i}][{j}]") for j, t in enumerate(seq))
         length, link, min_end, trans = _host_sam(corpus)
         nodes = np.stack([length, link, min_end, np.full(len(length), -1, np.int64)], axis=1)
         src = np.repeat(np.arange(len(trans)), [len(d) for d in trans])
@@ -391,6 +399,26 @@ class StaticSuffixAutomaton(_NodeColumns):
         as_i32 = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
         return cls(nodes=as_i32(nodes), slots=as_i32(slots),
                    corpus=as_i32(np.asarray(corpus if corpus else [int(separator)], np.int64)))
+
+    def max_token_id(self) -> int:
+        """The largest token id in the corpus (read on the host): a model must have a larger vocabulary."""
+        return int(np.max(np.asarray(self.corpus)))
+
+    def min_token_id(self) -> int:
+        """The smallest token id in the corpus (read on the host); `build` makes it >= 0."""
+        return int(np.min(np.asarray(self.corpus)))
+
+
+def _is_token_iterable(x) -> bool:
+    """Lists, tuples, arrays, generators: iterables that are not text (whose items would be characters)."""
+    return isinstance(x, Iterable) and not isinstance(x, (str, bytes))
+
+
+def _corpus_id(token, where: str) -> int:
+    """A corpus token id as a Python int, or ValueError naming where it sits."""
+    if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token <= 2**31 - 1:
+        raise ValueError(f"{where}={token!r} must be a token id, an integer in [0, 2**31 - 1]")
+    return int(token)
 
 
 def _host_sam(text: Sequence[int]):
