@@ -298,7 +298,8 @@ class Engine:
             raise InvalidRequest("prompt_ids", f"prompt has token id {bad[0]} outside [0, {vocab})")
         limit = self.config.max_context
         if n >= limit:
-            raise InvalidRequest("prompt_ids", f"prompt has {n} tokens; the context holds {limit} (prompt + max_tokens)")
+            raise InvalidRequest("prompt_ids",
+                                 f"prompt has {n} tokens; the context holds {limit} (prompt + max_tokens)")
         if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise InvalidRequest("max_tokens", f"max_tokens={request.max_tokens!r} must be an integer >= 1")
         if n + request.max_tokens > limit:
@@ -310,12 +311,14 @@ class Engine:
         if top is not None:
             most = self.config.max_logprobs
             if most is None:
-                raise InvalidRequest("logprobs", "logprobs are not served (the engine was built with max_logprobs=None)")
+                raise InvalidRequest("logprobs",
+                                     "logprobs are not served (the engine was built with max_logprobs=None)")
             if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= most:
                 raise InvalidRequest("logprobs", f"logprobs={top!r} must be an integer in [0, {most}]")
         k = request.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k):
-            raise InvalidRequest("num_speculative_tokens", f"num_speculative_tokens={k!r} must be an integer in [0, {self.k}]")
+            raise InvalidRequest("num_speculative_tokens",
+                                 f"num_speculative_tokens={k!r} must be an integer in [0, {self.k}]")
         stops = list(request.stop_token_ids) + ([] if request.ignore_eos else list(self.eos_ids))
         if len(stops) > _MAX_STOP_IDS:
             raise InvalidRequest("stop_token_ids", f"stop_token_ids has {len(request.stop_token_ids)} ids; at most "
@@ -328,19 +331,20 @@ class Engine:
 
     @staticmethod
     def _check_sampling(sampling: SamplingParams) -> None:
-        """The settings must become one row of the batch's arrays (`SamplingParams.stack`) without error: a
-        value that fails there would fail on the engine thread, for every row."""
+        """Each setting must become one row of the batch's arrays (`SamplingParams.stack`) as a valid value: a
+        value that failed there would fail on the engine thread, for every row (a top_p of 1e-50 is > 0 but
+        0.0 in float32)."""
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest("sampling", f"sampling={sampling!r} must be a jaxspec.SamplingParams")
         for name, dtype in _SAMPLING_DTYPES.items():
             value = getattr(sampling, name)
             try:
                 row = np.asarray(value, dtype)  # as `SamplingParams.stack` converts it
-                exact = row.ndim == 0 and (np.issubdtype(dtype, np.floating) or int(row) == value)
-            except (TypeError, ValueError, OverflowError):
-                exact = False
-            if not exact:
-                raise InvalidRequest("sampling", f"sampling.{name}={value!r} is not one {np.dtype(dtype).name} value")
+                if row.ndim != 0 or (np.issubdtype(dtype, np.integer) and int(row) != value):
+                    raise ValueError(f"{name}={value!r} does not fit {np.dtype(dtype).name}")
+                SamplingParams(**{name: row[()]})  # the stored value must pass the same checks
+            except (TypeError, ValueError, OverflowError) as e:
+                raise InvalidRequest(f"sampling.{name}", f"{name}={value!r} is not a usable setting: {e}") from None
 
     # ------------------------------------------------------------------ public API
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -379,6 +380,73 @@ def test_a_trained_head_is_served(smollm2, humaneval_prompts, tmp_path):
         assert r.choices[0].text == jaxspec.generate(smollm2, [prompt], max_new_tokens=32).text[0]
         m = _metrics(running["url"])
         assert m["jaxspec_spec_accepted_tokens_total"] > 0 and m["jaxspec_spec_drafted_tokens_total"] > 0
+
+
+def _post_raw(server, path: str, content, **kwargs) -> httpx.Response:
+    """POST bytes as they are (httpx's `json=` would refuse a lone surrogate or NaN before sending)."""
+    return httpx.post(server["url"] + path, content=content, headers={"content-type": "application/json"},
+                      timeout=300, **kwargs)
+
+
+def _assert_still_serving(server, offline) -> None:
+    assert httpx.get(server["url"] + "/health", timeout=30).status_code == 200
+    _wait_idle(server["url"])
+    _, text, _ = offline("def add(a, b):", 8)
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}
+    r = _post_raw(server, "/v1/completions", json.dumps(body).encode())
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+
+
+def test_hostile_sampling_settings_are_answered_and_the_engine_survives(server, offline):
+    """Issue #14: top_k=2**31 passed validation and overflowed int32 on the engine thread, failing the engine
+    (every later request 503). Now top_k up to 2**31 - 1 is served as no limit (the same seeded text as
+    top_k=0), beyond it 200 or a 400 naming top_k, any integer seed is served, and the server keeps serving."""
+    base = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0.8, "seed": 5}
+    texts = []
+    for top_k in (0, 2**31 - 1):
+        r = _post_raw(server, "/v1/completions", json.dumps({**base, "top_k": top_k}).encode())
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]
+    for path, body in (("/v1/completions", base),
+                       ("/v1/chat/completions", {**{k: v for k, v in base.items() if k != "prompt"},
+                                                 "messages": [{"role": "user", "content": "Hi"}]})):
+        for top_k in (2**31, 2**63, 2**64):
+            r = _post_raw(server, path, json.dumps({**body, "top_k": top_k}).encode())
+            assert r.status_code in (200, 400), r.text
+            if r.status_code == 400:
+                assert r.json()["error"]["param"] == "top_k"
+    for seed in (-1, 2**64, 10**30):
+        r = _post_raw(server, "/v1/completions", json.dumps({**base, "seed": seed}).encode())
+        assert r.status_code == 200, r.text
+    _assert_still_serving(server, offline)
+
+
+def test_hostile_bodies_get_their_4xx_and_the_server_keeps_serving(server, offline):
+    """Issue #14 over real HTTP: a lone surrogate in a prompt, a chat message or a stop string gets 400 naming
+    the field (it was a 500), NaN and Infinity 400, and a 3 MB body 413 under the default 2 MiB limit (with a
+    Content-Length or chunked); the server keeps serving and greedy output is unchanged."""
+    cases = [("/v1/completions", {"prompt": "\ud800"}, "prompt"),
+             ("/v1/completions", {"prompt": "def f(x):", "stop": ["\n", "\udfff"]}, "stop.1"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud83d"}]},
+              "messages.0.content")]
+    for path, change, param in cases:
+        body = {"model": MODEL, "max_tokens": 4, **change}
+        r = _post_raw(server, path, json.dumps(body).encode("ascii"))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] in (param, param.split(".")[0]), r.text
+    for literal in ("NaN", "Infinity", "-Infinity"):
+        content = b'{"model": "%s", "prompt": "def f(x):", "max_tokens": 4, "temperature": %s}' % (
+            MODEL.encode(), literal.encode())
+        r = _post_raw(server, "/v1/completions", content)
+        assert r.status_code == 400 and "error" in r.json(), r.text
+    big = json.dumps({"model": MODEL, "prompt": "def f(x): " * 300_000, "max_tokens": 4}).encode()
+    assert len(big) > 3_000_000
+    for content in (big, (big[i: i + 65536] for i in range(0, len(big), 65536))):  # declared length, chunked
+        r = _post_raw(server, "/v1/completions", content)
+        assert r.status_code == 413, r.text[:500]
+        assert r.json()["error"]["code"] == "request_too_large"
+    _assert_still_serving(server, offline)
 
 
 def test_sigterm_finishes_the_request_in_flight(server):

@@ -2,9 +2,9 @@
 
 Every request is validated here (HTTP 400 naming the field, 413 for a body over the size limit, 429 when the
 queue is full, 503 while shutting down) before it reaches the engine; tokenization of large prompts runs in a
-worker thread so it never stalls the streams the event loop is serving. Each choice of a request becomes one engine request; the engine thread
-hands its outputs to the event loop with `call_soon_threadsafe`. A client that goes away cancels its engine
-requests, which frees their rows within one chunk.
+worker thread so it never stalls the streams the event loop is serving. Each choice of a request becomes one
+engine request; the engine thread hands its outputs to the event loop with `call_soon_threadsafe`. A client
+that goes away cancels its engine requests, which frees their rows within one chunk.
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request as HTTPRequest
+import numpy as np
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SamplingParams
 from ..engine import Engine, EngineStopped, InvalidRequest, Output, QueueFull, Request
@@ -30,6 +33,7 @@ from .text import TextStream
 
 DEFAULT_MAX_BODY_BYTES = 2 << 20  # 2 MiB: a full 2048-token context is ~10 kB of text
 _OFF_LOOP_BYTES = 64 << 10  # parse and tokenize bodies larger than this in a worker thread
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 # The HTTP field behind each engine `Request` field an InvalidRequest names ("prompt_ids": the request's
 # prompt or messages, filled in per endpoint).
@@ -137,6 +141,13 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
     async def _request_error(request: HTTPRequest, err: RequestError):
         return error_response(err)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HTTPRequest, err: StarletteHTTPException):
+        # Unknown paths (404) and methods (405) answer in the same error format as everything else.
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return error_response(RequestError(f"{request.method} {request.url.path}: {err.detail}",
+                                           status=err.status_code, type=kind))
+
     def too_large(size: str) -> RequestError:
         return RequestError(f"the request body has {size} bytes; this server takes at most {max_body_bytes}",
                             status=413, code="request_too_large")
@@ -165,12 +176,22 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
             raise RequestError(f"model {name!r} does not exist; this server serves {served_model_name!r}",
                                param="model", code="model_not_found")
 
-    async def encode(text: str, param: str) -> list[int]:
+    def encode_now(text: str, param: str) -> list[int]:
         try:
-            ids = await asyncio.to_thread(tokenizer.encode, text) if len(text) > _OFF_LOOP_BYTES // 4 \
-                else tokenizer.encode(text)
+            return tokenizer.encode(text)
         except (ValueError, TypeError) as e:  # text the tokenizer cannot take is the client's error
             raise RequestError(f"{param}: {e}", param=param) from None
+
+    async def encode_all(prompts: list, param: str) -> list[list[int]]:
+        """Token ids of each prompt (text or ids); much text is encoded in a worker thread."""
+        def run() -> list[list[int]]:
+            return [encode_now(p, param) if isinstance(p, str) else list(p) for p in prompts]
+
+        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        return await asyncio.to_thread(run) if chars > _OFF_LOOP_BYTES // 4 else run()
+
+    async def encode(text: str, param: str) -> list[int]:
+        ids = (await encode_all([text], param))[0]
         if not ids:
             raise RequestError(f"{param} is empty: at least one token is needed", param=param)
         return ids
@@ -186,7 +207,9 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
             max_tokens = max(engine.config.max_context - len(prompt_ids), 1)
         requests = []
         for i in range(body.n):
-            sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
+            # A top_p above 0 but below float32's smallest normal number still means "the likeliest token".
+            sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0),
+                                      top_p=max(body.top_p, _F32_TINY),
                                       min_p=body.min_p, seed=(seed + i) % (1 << 32))
             requests.append(Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
@@ -196,7 +219,7 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
                 engine.validate(r)
             except InvalidRequest as e:
                 param = {"prompt_ids": prompt_param, "logprobs": logprobs_param}.get(e.field) or \
-                    _ENGINE_PARAMS.get(e.field)
+                    _ENGINE_PARAMS.get(e.field) or e.field.removeprefix("sampling.")
                 raise RequestError(str(e), param=param) from None
         return requests
 
@@ -376,7 +399,11 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
             prompts = [prompts]
         if not prompts:
             raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-        ids_list = [await encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
+        capacity = engine.config.max_slots + engine.config.max_waiting
+        if len(prompts) * body.n > capacity:  # refused before any work: each choice is one engine request
+            raise RequestError(f"prompt: {len(prompts)} prompts x n={body.n} make {len(prompts) * body.n} "
+                               f"choices; this server takes at most {capacity} at once", param="prompt")
+        ids_list = await encode_all(prompts, "prompt")
         requests = []
         for ids in ids_list:
             if not ids:

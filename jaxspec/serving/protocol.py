@@ -182,12 +182,17 @@ def parse_json(body: bytes) -> Any:
     return data
 
 
+_TYPE_LABELS = {"str", "int", "float", "bool"}
+_GENERIC_LABELS = ("list[", "dict[", "literal[", "function-")
+
+
 def validation_error(err: ValidationError) -> RequestError:
     """The first pydantic error as a RequestError naming the field by its dotted path (`messages.0.role`)."""
     first = err.errors(include_url=False)[0]
     loc = [str(p) for p in first["loc"]]
-    # Union members add their type name to the path (`speculative.SpeculativeOptions.method`): drop it.
-    loc = [p for p in loc if not (p[:1].isupper() or p.startswith(("str", "list[", "literal[", "function-")))]
+    # Union members add their type's label to the path (`speculative.SpeculativeOptions.method`, `prompt.str`,
+    # `prompt.list[int].0`): drop the labels, never a field (`stream`, `stream_options`).
+    loc = [p for p in loc if not (p[:1].isupper() or p in _TYPE_LABELS or p.startswith(_GENERIC_LABELS))]
     param = ".".join(loc) or None
     what = f"{param}: " if param else ""
     return RequestError(f"{what}{first['msg']} (got {_shown(first.get('input'))})", param=param)
