@@ -51,7 +51,10 @@ class Scored:
     def pad(self, width: int) -> "Scored":
         """Padded along W to `width` (a step's K + 1 output slots)."""
         extra = width - self.token.shape[1]
-        pad = lambda x: jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2))
+
+        def pad(x):
+            return jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2))
+
         return Scored(token=pad(self.token), top_ids=pad(self.top_ids), top=pad(self.top))
 
 

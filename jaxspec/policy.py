@@ -9,7 +9,8 @@ step (rows finishing inside a chunk move the index), and learns from what each c
 - `FixedPolicy`: the full K whatever the load.
 - `OffPolicy`: never speculate.
 - `AdaptivePolicy` (the default): speculate only while at most `max_active` requests are in flight (the
-  active rows plus the engine's queue; 4 on this CPU, SEEDS §1 uses 8), halving K each time that load doubles, and switch speculation off in a batch size where it measured
+  active rows plus the engine's queue; 4 on this CPU, SEEDS §1 uses 8), halving K each time that load doubles,
+  and switch speculation off in a batch size where it measured
   slower than plain decoding (tokens per second per active row over whole chunks, both kinds timed in the
   same server), trying it again after an interval that doubles each time the measurement confirms the loss.
 """

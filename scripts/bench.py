@@ -25,7 +25,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import jaxspec  # noqa: E402
@@ -123,7 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-tokens", type=int, default=512, help="prefill prompt length (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default: %(default)s)")
     parser.add_argument("--peers", action="store_true", help="also run transformers on torch (the [peers] extra)")
-    parser.add_argument("--peer-prompts", type=int, default=8, help="HumanEval prompts for --peers (default: %(default)s)")
+    parser.add_argument("--peer-prompts", type=int, default=8,
+                        help="HumanEval prompts for --peers (default: %(default)s)")
     parser.add_argument("--out", default="bench_out/bench.json", help="JSON output (default: %(default)s)")
     args = parser.parse_args(argv)
 

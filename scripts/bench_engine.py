@@ -73,7 +73,8 @@ class Level:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policies", default="off,adaptive", help="policies, the first is the baseline (default: %(default)s)")
+    p.add_argument("--policies", default="off,adaptive",
+                   help="policies, the first is the baseline (default: %(default)s)")
     p.add_argument("--method", default="sam", help="the engine's speculation method (default: %(default)s)")
     p.add_argument("--requests", type=int, default=48, help="requests per burst (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=96, help="max_tokens per request (default: %(default)s)")

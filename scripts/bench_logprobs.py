@@ -22,10 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
+import workloads  # scripts/: python puts a script's own folder on sys.path
 from jaxspec.decode import RowLimits, decode, prefill
 from jaxspec.generation import bucket_shapes, build_proposer
-
-import workloads  # scripts/: python puts a script's own folder on sys.path
 
 
 def make_run(lm, prompts: list[list[int]], new_tokens: int, spec: jaxspec.SpecConfig, mode: str):

@@ -397,7 +397,8 @@ def free_port(host: str) -> int:
 
 
 def server_command(mode: str, port: int, args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, str(Path(args.serve_script).resolve()), "--model", args.model, "--host", args.host, "--port", str(port),
+    cmd = [sys.executable, str(Path(args.serve_script).resolve()), "--model", args.model, "--host", args.host,
+           "--port", str(port),
            "--policy", mode, "--method", args.method, "--max-slots", str(args.max_slots),
            "--cache-len", str(args.cache_len)]
     optional = {"--chunk-steps": args.chunk_steps, "--num-speculative-tokens": args.num_speculative_tokens,

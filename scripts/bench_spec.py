@@ -377,16 +377,20 @@ def measure_overhead(lm, config: Config, rows: list[list[int]], outputs: list[li
                       max_draft=jnp.full((batch,), k, jnp.int32), sampling=sampling, positions=history_len - 1)
         keys = row_keys(sampling.seed, ctx.positions)
         pstate = proposer.init(params, ctx)
-        propose_ms = _median_ms(lambda: _propose_update(proposer, params, pstate, ctx, keys), repeats)
+        propose_ms = _median_ms(lambda pstate=pstate, ctx=ctx, keys=keys:
+                                _propose_update(proposer, params, pstate, ctx, keys), repeats)
         draft, _ = _propose_update(proposer, params, pstate, ctx, keys)
         seeds = jax.vmap(jax.random.key)(sampling.seed)
         by_width = {}
         for w in config.spec.verify_widths:
             logits = 4.0 * jax.random.normal(jax.random.key(w), (batch, w, lm.config.vocab_size), jnp.float32)
             probs = None if draft.probs is None else draft.probs[:, : w - 1]
-            by_width[w] = _median_ms(lambda: _rejection_jit()(seeds, logits, draft.tokens[:, : w - 1], probs,
-                                                              jnp.minimum(draft.num_draft, w - 1), sampling,
-                                                              positions=ctx.positions + 1), repeats)
+
+            def rejection(seeds=seeds, logits=logits, draft=draft, w=w, probs=probs, sampling=sampling, ctx=ctx):
+                return _rejection_jit()(seeds, logits, draft.tokens[:, : w - 1], probs,
+                                        jnp.minimum(draft.num_draft, w - 1), sampling, positions=ctx.positions + 1)
+
+            by_width[w] = _median_ms(rejection, repeats)
         result[str(temperature)] = {"propose_update_ms": propose_ms, "rejection_ms_by_width": by_width,
                                     "rejection_ms_min": min(by_width.values()), "rejection_ms": max(by_width.values())}
     return result
@@ -479,7 +483,8 @@ def fmt(x, spec: str = ".2f") -> str:
 def markdown(report: dict) -> str:
     lines = [f"# jaxspec speculative decoding, {report['model']}, {report['machine']}, jax {report['jax']}, "
              f"{report['date']}", "",
-             f"{report['new_tokens']} new tokens per prompt, stopping at EOS{' (ignored)' if report['ignore_eos'] else ''}; "
+             f"{report['new_tokens']} new tokens per prompt, "
+             f"stopping at EOS{' (ignored)' if report['ignore_eos'] else ''}; "
              f"tokens/s over prefill + decode of all calls (median of {report['repeats']} repeat(s)); "
              ""]
     lines += ["Configurations (fixed K: draft K tokens whenever the last 2+ tokens occurred before; `default`: "
@@ -535,7 +540,8 @@ def markdown(report: dict) -> str:
         for p in report["peers"]:
             lines.append(f"| {p['workload']} | {p['temperature']:g} | {p['prompts']} | "
                          f"{p['plain']['tokens_per_s']:.1f} | {p['prompt_lookup_3']['tokens_per_s']:.1f} | "
-                         f"{p['prompt_lookup_10']['tokens_per_s']:.1f} | {fmt(p.get('jaxspec_none_tokens_per_s'), '.1f')} | "
+                         f"{p['prompt_lookup_10']['tokens_per_s']:.1f} | "
+                         f"{fmt(p.get('jaxspec_none_tokens_per_s'), '.1f')} | "
                          f"{fmt(p.get('jaxspec_sam_tokens_per_s'), '.1f')} | {fmt(p.get('sam_over_best_lookup'))}x | "
                          f"{p.get('none_equals_peer_plain', '-')} |")
         lines.append("")
@@ -804,7 +810,8 @@ def main(argv=None) -> int:
                     p["sam_over_best_lookup"] = p["jaxspec_sam_tokens_per_s"] / best
                 report["peers"].append(p)
                 print(f"peer {workload:10s} T={temperature:g}: plain {p['plain']['tokens_per_s']:.1f}, lookup 3 "
-                      f"{p['prompt_lookup_3']['tokens_per_s']:.1f}, lookup 10 {p['prompt_lookup_10']['tokens_per_s']:.1f}"
+                      f"{p['prompt_lookup_3']['tokens_per_s']:.1f}, lookup 10 "
+                      f"{p['prompt_lookup_10']['tokens_per_s']:.1f}"
                       f" tok/s; sam / best lookup {fmt(p.get('sam_over_best_lookup'))}x; none == peer plain "
                       f"{p.get('none_equals_peer_plain', '-')} (+{time.perf_counter() - t0:.0f} s)", flush=True)
 

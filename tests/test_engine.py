@@ -195,11 +195,13 @@ def test_greedy_mixed_methods_and_budgets_equal_offline(tiny_lm, request, engine
     drafted0, accepted0 = engine.metrics.drafted, engine.metrics.accepted
     results = run_all(engine, requests)
     for i, (req, c) in enumerate(zip(requests, results)):
-        assert c.tokens == offline(tiny_lm, req.prompt_ids), f"request {i} ({req.method}, K={req.num_speculative_tokens})"
+        assert c.tokens == offline(tiny_lm, req.prompt_ids), \
+            f"request {i} ({req.method}, K={req.num_speculative_tokens})"
         assert c.final.finish_reason == "length"
         stats = c.final.stats
         # A row never drafts more than its own budget per step, and a plain row drafts nothing.
-        budget = 0 if req.method == "none" else (K if req.num_speculative_tokens is None else req.num_speculative_tokens)
+        budget = 0 if req.method == "none" else (
+            K if req.num_speculative_tokens is None else req.num_speculative_tokens)
         assert 0 <= stats.accepted <= stats.drafted <= budget * stats.steps
         assert stats.steps <= N - 1  # the first token comes from the prefill
     drafted, accepted = engine.metrics.drafted - drafted0, engine.metrics.accepted - accepted0
@@ -484,7 +486,8 @@ def test_validate_names_the_bad_value(idle_engine, kwargs, match):
         engine.submit(req, Collector())
     assert engine.metrics.requests_waiting == 0 and not engine._waiting
     # The limits themselves are allowed.
-    engine.validate(Request([1] * 10, CONFIG.max_context - 10, num_speculative_tokens=K, stop_token_ids=tuple(range(8))))
+    engine.validate(Request([1] * 10, CONFIG.max_context - 10, num_speculative_tokens=K,
+                            stop_token_ids=tuple(range(8))))
     engine.validate(Request([96], 1, num_speculative_tokens=0, method="none"))
 
 

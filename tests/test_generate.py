@@ -8,7 +8,6 @@ import pytest
 import jaxspec
 from jaxspec import SamplingParams
 
-
 # ------------------------------------------------------------------------------------------- real model
 
 @pytest.mark.real_model

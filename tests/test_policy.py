@@ -213,7 +213,8 @@ def test_rates_are_compared_per_active_row():
 
 def test_empty_or_degenerate_reports_are_ignored():
     p = AdaptivePolicy()
-    for report in (ChunkReport(SLOTS, 1, K, 0, 0.1), ChunkReport(SLOTS, 1, K, 5, 0.0), ChunkReport(SLOTS, 0, K, 5, 0.1)):
+    for report in (ChunkReport(SLOTS, 1, K, 0, 0.1), ChunkReport(SLOTS, 1, K, 5, 0.0),
+                   ChunkReport(SLOTS, 0, K, 5, 0.1)):
         p.observe(report)
     assert p._records == {}
     assert p.speculating(SLOTS)

@@ -82,7 +82,10 @@ def reference_rejection(keys, logits, drafts, probs, num_draft, rows, positions)
     for b in range(batch):
         params = SamplingParams(*rows[b])  # Python scalars: one request on its own
         z = np.asarray(process_one(jnp.asarray(logits[b][None]), params))[0]  # [K+1, V]
-        key = lambda j: jax.random.fold_in(keys[b], positions[b] + j)  # noqa: E731
+
+        def key(j, b=b):
+            return jax.random.fold_in(keys[b], positions[b] + j)
+
         out = []
         for j in range(width):
             if probs is None:  # deterministic draft: compare with the target's own sample

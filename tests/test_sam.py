@@ -327,7 +327,7 @@ def test_sam_proposer_protocol(proposer):
     corpus = [int(x) for x in np.asarray(ssam.corpus)] if ssam is not None else []
     # Each row's full text: a prompt of its own length, then a continuation that repeats earlier pieces.
     texts = []
-    for b in range(batch):
+    for _b in range(batch):
         t = rng.integers(0, 3, 6).tolist()
         while len(t) < width:
             src = t if rng.random() < 0.6 else corpus or t

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -208,7 +207,8 @@ def test_chat_logprobs(client, smollm2, stream):
         finish = next(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason)
     else:
         r = client.chat.completions.create(**kwargs)
-        content, entries, finish = r.choices[0].message.content, r.choices[0].logprobs.content, r.choices[0].finish_reason
+        content, entries, finish = (r.choices[0].message.content, r.choices[0].logprobs.content,
+                                    r.choices[0].finish_reason)
         # The EOS that ends a "stop" choice is counted in usage but is not part of the text.
         assert len(entries) == r.usage.completion_tokens - (finish == "stop")
     assert bytes(b for e in entries for b in e.bytes).decode() == content
@@ -302,7 +302,8 @@ def test_bad_input_through_the_openai_client_and_server_keeps_serving(server, cl
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}], max_tokens=4)
     assert e.value.param == "messages.0.role"
-    for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+    for extra, param in (({"top_logprobs": 2}, "top_logprobs"),
+                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                            **extra)

@@ -16,7 +16,6 @@ import pytest
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.proposers.base import Committed, Context, Draft
-from jaxspec.proposers.draft_model import self_draft_model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,18 @@ import pytest
 from flax import nnx
 
 from jaxspec.models.heads import Readout, load_head, save_head
-from jaxspec.train import (Batches, GenerationSettings, SelfDistillData, TrainConfig, WindowSpec, ensure_dataset,
-                           evaluate_head, humaneval_split, stdlib_prompts, train)
+from jaxspec.train import (
+    Batches,
+    GenerationSettings,
+    SelfDistillData,
+    TrainConfig,
+    WindowSpec,
+    ensure_dataset,
+    evaluate_head,
+    humaneval_split,
+    stdlib_prompts,
+    train,
+)
 from jaxspec.train.cli import build_parser
 from jaxspec.train.data import MANIFEST
 from jaxspec.train.eagle import EagleTask
@@ -293,7 +303,8 @@ def test_cli_help_explains_every_option(kind):
     options = ["--model", "--out", "--data", "--stdlib-prompts", "--gen-tokens", "--temperature", "--seq-len",
                "--batch-size", "--steps", "--epochs", "--lr", "--warmup-steps", "--weight-decay", "--clip",
                "--save-every", "--keep", "--seed", "--restart", "--eval-only", "--ship"]
-    options += ["--w-cls", "--noise", "--context", "--unroll", "--unroll-decay"] if kind == "eagle" else ["--num-heads", "--decay"]
+    options += (["--w-cls", "--noise", "--context", "--unroll", "--unroll-decay"] if kind == "eagle"
+                else ["--num-heads", "--decay"])
     for option in options:
         assert option in out.stdout
     # Every option explains itself.

@@ -115,7 +115,11 @@ HEAD_SPECS = [
 ]
 
 
-@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"] + ("-static" if d["method"] == "eagle" and "tree_depth" in d else ""))
+def _head_spec_id(d):
+    return d["method"] + ("-static" if d["method"] == "eagle" and "tree_depth" in d else "")
+
+
+@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=_head_spec_id)
 def test_head_proposers_greedy_equal_plain(tiny_lm, prompts, plain, head_files, spec_kwargs):
     kind = "medusa" if spec_kwargs["method"] == "medusa" else "eagle"
     spec = SpecConfig(head_path=str(head_files[kind]), **spec_kwargs)
@@ -139,7 +143,7 @@ def test_tree_logprobs_follow_the_accepted_path(tiny_lm, prompts):
         assert [[t for t, _ in e.top] for e in a] == [[t for t, _ in e.top] for e in b]
 
 
-@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"] + ("-static" if d["method"] == "eagle" and "tree_depth" in d else ""))
+@pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=_head_spec_id)
 def test_head_proposers_seeded_sampling(tiny_lm, prompts, head_files, spec_kwargs):
     """Trees of deterministic candidates follow plain sampling token for token (the point-mass rule); the
     EAGLE chain samples its drafts from q, so only its lengths and token range are checked here (its

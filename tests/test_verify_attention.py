@@ -93,7 +93,10 @@ def make_inputs(case: Case, seed: int = 0, poison: float | None = np.nan):
     mask = None
     if case.tree:
         mask = np.asarray(ancestor_mask(random_parents(rng, batch, t)))
-    cast = lambda x: jnp.asarray(x, dtype=case.dtype)
+
+    def cast(x):
+        return jnp.asarray(x, dtype=case.dtype)
+
     return cast(q), cast(k), cast(v), jnp.asarray(lengths), mask
 
 

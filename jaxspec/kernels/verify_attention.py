@@ -20,11 +20,11 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-import jax.numpy as jnp
-import numpy as np
 
 # The tree layout lives in jaxspec.tree; re-exported here, where the kernel's `parents=` argument uses it.
 from ..tree import ancestor_mask

@@ -227,7 +227,8 @@ class EagleProposer:
             # Run the head on the frontier (depth `level`): pair (parent's feature, node token) at
             # position start + level - 1, written at scratch slots (level - 1) * k + f.
             base = (level - 1) * k
-            ancestry = ancestry.at[:, :, base: base + k].set(jnp.eye(k, dtype=bool)[None] | ancestry[:, :, base: base + k])
+            ancestry = ancestry.at[:, :, base: base + k].set(
+                jnp.eye(k, dtype=bool)[None] | ancestry[:, :, base: base + k])
             in_scratch = (rel >= 0) & (rel < scratch)
             seen = jnp.take_along_axis(ancestry, jnp.clip(rel, 0, scratch - 1)[:, None, :].repeat(k, 1), axis=2)
             visible = (rel < 0)[:, None, :] | (in_scratch[:, None, :] & seen)  # bool[B, k, S]
