@@ -1,7 +1,7 @@
 # One entry point per job; each installs what it needs first, so a fresh machine needs nothing else.
 PYTHON ?= python
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint docs bench
 
 # .[test] pulls the serve and train extras too (pyproject.toml lists the extras).
 install:
@@ -21,6 +21,11 @@ test: install
 lint:
 	$(PYTHON) -m pip install -q -e ".[lint]"
 	$(PYTHON) -m ruff check .
+
+# The documentation site (mkdocs.yml): strict, so a broken link or reference fails the build. Output in site/.
+docs:
+	$(PYTHON) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 
 bench: install
 	$(PYTHON) -m pip install -q -e ".[bench,peers]"

@@ -77,6 +77,8 @@ class EngineStopped(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """Static settings of an `Engine`: slots, cache length, the methods compiled in, chunk size, queue size."""
+
     max_slots: int = 8  # the most requests decoded at once
     cache_len: int = 2048  # KV slots per row: prompt + output + K + 1 must fit
     spec: SpecConfig = dataclasses.field(default_factory=lambda: SpecConfig(method="sam"))  # default method, K
@@ -84,7 +86,7 @@ class EngineConfig:
     chunk_steps: int = 8  # decode steps between host visits (streaming granularity)
     max_waiting: int = 256  # requests queued beyond the free slots; more are refused (QueueFull). 0: no queue
     slot_buckets: tuple[int, ...] | None = None  # compiled batch sizes; default 1 and multiples of 8
-    attention_impl: str | None = None
+    attention_impl: str | None = None  # "xla" or "pallas"; None: Pallas on GPU, XLA elsewhere
     max_logprobs: int | None = 20  # most likely tokens a request may ask for per position; None: no logprobs
 
     def __post_init__(self):
@@ -111,8 +113,8 @@ class EngineConfig:
         if self.cache_len < k + 2 + _PROMPT_BUCKET_MIN:
             raise ValueError(f"cache_len={self.cache_len!r} is too small for K={k}")
         if self.slot_buckets is None:
-            # XLA:CPU runs forwards over 2-7 rows slower than over 8 (../shared/CPU-PERF.md, docs/BENCHMARKS.md):
-            # batch 1 or a multiple of 8.
+            # XLA:CPU runs forwards over 2-7 rows slower than over 8 (docs/cpu-performance.md,
+            # docs/BENCHMARKS.md): batch 1 or a multiple of 8.
             buckets = {1, self.max_slots} | set(range(8, self.max_slots, 8))
             object.__setattr__(self, "slot_buckets", tuple(sorted(buckets)))
         buckets = tuple(sorted(set(self.slot_buckets)))
@@ -133,11 +135,13 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class Request:
-    prompt_ids: list[int]
-    max_tokens: int
+    """One generation request as the engine takes it: token ids in, settings beside them."""
+
+    prompt_ids: list[int]  # the prompt, tokenized (chat template applied by the caller)
+    max_tokens: int  # the most new tokens
     sampling: SamplingParams = SamplingParams()  # scalars
     stop_token_ids: tuple[int, ...] = ()  # beside the model's EOS
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # keep generating past the model's EOS (stop_token_ids still stop)
     method: str | None = None  # None: the engine's default method
     num_speculative_tokens: int | None = None  # None: the engine's K
     logprobs: int | None = None  # also return each token's log-probability and this many most likely tokens
@@ -145,14 +149,17 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class RequestStats:
+    """Counts and timings of one request, on its final `Output`."""
+
     steps: int  # decode steps the request's row was active in
-    drafted: int
-    accepted: int
+    drafted: int  # draft tokens scored by the target
+    accepted: int  # accepted drafts that were emitted
     queued_s: float  # from submission to admission
-    prefill_s: float
+    prefill_s: float  # seconds of the request's prefill
 
     @property
     def mean_acceptance_length(self) -> float:
+        """Tokens committed per step: accepted drafts plus the target's own token."""
         return (self.accepted + self.steps) / self.steps if self.steps else float("nan")
 
 
@@ -160,11 +167,11 @@ class RequestStats:
 class Output:
     """What a request's row committed since the last event; `finish_reason` is set on its final event."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # the tokens committed since the previous event
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
-    stats: RequestStats | None = None
-    error: str | None = None
+    stats: RequestStats | None = None  # on the final event
+    error: str | None = None  # what went wrong, with finish_reason "error"
 
 
 class Handle:
@@ -172,9 +179,10 @@ class Handle:
 
     def __init__(self, engine: "Engine", request_id: int):
         self._engine = engine
-        self.request_id = request_id
+        self.request_id = request_id  # the engine's id of the request
 
     def cancel(self) -> None:
+        """Stop the request if it has not finished: its callback gets a final event, finish_reason "cancelled"."""
         self._engine._cancel(self.request_id)
 
 
@@ -282,6 +290,7 @@ class Engine:
         return self.config.max_context
 
     def check_method(self, method: str) -> None:
+        """Raise InvalidRequest when this engine was not built with `method`."""
         if method not in self.config.methods:
             raise InvalidRequest("method", f"method={method!r} is not served; choose one of {self.config.methods}")
 
@@ -349,6 +358,7 @@ class Engine:
     # ------------------------------------------------------------------ public API
 
     def start(self, warmup: bool = True) -> "Engine":
+        """Launch the loop thread (compiling every slot bucket first with `warmup`); returns the engine."""
         self._thread = threading.Thread(target=self._run, args=(warmup,), name="jaxspec-engine", daemon=True)
         self._thread.start()
         return self
@@ -393,6 +403,7 @@ class Engine:
 
     @property
     def num_active(self) -> int:
+        """Requests holding a slot now."""
         return sum(s is not None for s in self._slots)
 
     # ------------------------------------------------------------------ the loop thread

@@ -37,12 +37,14 @@ _CACHE_ALIGN = 128
 
 @dataclasses.dataclass(frozen=True)
 class RowStats:
+    """One row's decode-loop counts and timing, inside `GenerateStats.rows`."""
+
     steps: int  # loop steps in which the row was active (each one target forward)
-    drafted: int
+    drafted: int  # draft tokens scored by the target
     accepted: int  # accepted drafts that were emitted
     generated: int  # new tokens, the first (from prefill) included
     committed_per_step: tuple[int, ...]  # tokens committed at each of the row's steps, in order
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # seconds of the decode loop (the whole batch's)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -51,26 +53,30 @@ class RowStats:
 
     @property
     def tokens_per_s(self) -> float:
+        """Tokens the decode loop made for this row (its first came from prefill) per second."""
         return (self.generated - 1) / self.decode_s if self.decode_s > 0 else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateStats:
-    prompt_tokens: int
-    generated_tokens: int
+    """Counts and timings of one `generate` call, over all rows, with each row's own in `rows`."""
+
+    prompt_tokens: int  # prompt tokens over all rows
+    generated_tokens: int  # new tokens over all rows, each row's first (from prefill) included
     steps: int  # decode-loop forward passes (prefill not counted)
-    prefill_s: float
-    decode_s: float
+    prefill_s: float  # seconds of prefill
+    decode_s: float  # seconds of the decode loop
     num_rows: int = 0  # each row's first token comes from prefill, not from the decode loop
-    drafted: int = 0
-    accepted: int = 0
+    drafted: int = 0  # draft tokens scored by the target, over all rows
+    accepted: int = 0  # accepted drafts that were emitted, over all rows
     drafted_per_position: tuple[int, ...] = ()  # steps (over rows) with a draft at position j
     accepted_per_position: tuple[int, ...] = ()  # ... whose draft at position j was accepted and emitted
     row_steps: int = 0  # sum over rows of the steps each was active
-    rows: tuple[RowStats, ...] = ()
+    rows: tuple[RowStats, ...] = ()  # one per prompt, in order
 
     @property
     def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second of prefill."""
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
 
     @property
@@ -92,15 +98,18 @@ class GenerateStats:
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted drafts / drafted tokens over the whole run."""
         return self.accepted / self.drafted if self.drafted else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
+    """What `generate` returns: per prompt, the new tokens, their text, why the row ended; and the stats."""
+
     token_ids: list[list[int]]  # new tokens per prompt, including the stop token that ended a row
     text: list[str]  # decoded new text per prompt, without the stop token
     finish_reason: list[str]  # "stop" (EOS or a stop id) or "length" (max_new_tokens)
-    stats: GenerateStats
+    stats: GenerateStats  # counts and timings of the whole call
     logprobs: list[list[TokenLogprob]] | None = None  # per prompt, one per token of token_ids (`logprobs=`)
 
 

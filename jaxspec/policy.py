@@ -2,14 +2,15 @@
 
 Verification widens the target forward. At low load the forward is bandwidth-bound and a wider one costs
 little more than a plain step; as the batch grows it turns compute-bound and every drafted token costs real
-time (SEEDS.md sections 1, 4 and 5). A policy therefore answers, for a compiled batch of `num_slots` rows,
-"how many drafts per row, with a rows still generating?" as a table `caps[a]` that the device reads at every
-step (rows finishing inside a chunk move the index), and learns from what each chunk achieved.
+time (docs/cpu-performance.md has the numbers for XLA:CPU). A policy therefore answers, for a compiled batch
+of `num_slots` rows, "how many drafts per row, with a rows still generating?" as a table `caps[a]` that the
+device reads at every step (rows finishing inside a chunk move the index), and learns from what each chunk
+achieved.
 
 - `FixedPolicy`: the full K whatever the load.
 - `OffPolicy`: never speculate.
 - `AdaptivePolicy` (the default): speculate only while at most `max_active` requests are in flight (the
-  active rows plus the engine's queue; 4 on this CPU, SEEDS §1 uses 8), halving K each time that load doubles,
+  active rows plus the engine's queue; 4 on this CPU), halving K each time that load doubles,
   and switch speculation off in a batch size where it measured
   slower than plain decoding (tokens per second per active row over whole chunks, both kinds timed in the
   same server), trying it again after an interval that doubles each time the measurement confirms the loss.
@@ -25,6 +26,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class ChunkReport:
+    """What one chunk of decode steps achieved, as the engine reports it to the policy."""
+
     num_slots: int  # the compiled batch the chunk ran at
     active: int  # rows generating when the chunk started
     max_cap: int  # the largest draft cap the chunk's table allowed for `active` rows (0: plain decoding)
@@ -33,12 +36,16 @@ class ChunkReport:
 
 
 class SpeculationPolicy(Protocol):
+    """What the engine asks before each chunk (`draft_caps`) and tells after it (`observe`)."""
+
     def draft_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
         """i32[num_slots + 1]: the most drafts per row while a rows are active (index a) and `waiting`
         requests queue for a free row."""
         ...
 
-    def observe(self, report: ChunkReport) -> None: ...
+    def observe(self, report: ChunkReport) -> None:
+        """Learn from a finished chunk."""
+        ...
 
 
 @dataclasses.dataclass
@@ -46,9 +53,11 @@ class FixedPolicy:
     """Always draft up to K per row."""
 
     def draft_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
+        """i32[num_slots + 1], K everywhere."""
         return np.full((num_slots + 1,), k, np.int32)
 
     def observe(self, report: ChunkReport) -> None:
+        """Nothing to learn."""
         pass
 
 
@@ -57,9 +66,11 @@ class OffPolicy:
     """Never draft: every step is a plain decode step."""
 
     def draft_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
+        """i32[num_slots + 1], all zero."""
         return np.zeros((num_slots + 1,), np.int32)
 
     def observe(self, report: ChunkReport) -> None:
+        """Nothing to learn."""
         pass
 
 
@@ -97,9 +108,11 @@ class _SlotsRecord:
 
 @dataclasses.dataclass
 class AdaptivePolicy:
-    # Speculate only while at most this many requests are in flight. SEEDS §1 switches at 8 on NPUs; here a
-    # verify step over 8 rows costs 2.7x a plain one already at width 9 (docs/BENCHMARKS.md c(T)), and
-    # always-on speculation at 8 busy rows served 0.72x of plain decoding (bench_serve.py), so 4.
+    """The default: speculate at low load, K halving as load doubles, off where it measured slower than plain."""
+
+    # Speculate only while at most this many requests are in flight. A threshold of 8 is a common choice on
+    # accelerators; here a verify step over 8 rows costs 2.7x a plain one already at width 9 (docs/BENCHMARKS.md
+    # c(T)), and always-on speculation at 8 busy rows served 0.72x of plain decoding (bench_serve.py), so 4.
     max_active: int = 4
     full_k_active: int = 1  # up to this many active rows draft the full K; K halves as the count doubles
     # Chunk rates vary with the text (how much it repeats) as much as with the step cost, so the guard acts
@@ -148,12 +161,14 @@ class AdaptivePolicy:
         return not due if record.off else due
 
     def draft_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
+        """`static_caps`, or all zero when the guard measures plain decoding this chunk or has switched off."""
         caps = self.static_caps(num_slots, k, waiting)
         if caps.any() and self._measure_plain_next(self._record(num_slots)):
             return np.zeros_like(caps)
         return caps
 
     def observe(self, report: ChunkReport) -> None:
+        """Add the chunk's rate to its batch size's record and switch speculation off or on on clear evidence."""
         if report.seconds <= 0 or report.tokens <= 0 or report.active <= 0:
             return
         if not self.static_caps(report.num_slots, 1).any():

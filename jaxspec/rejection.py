@@ -1,29 +1,9 @@
-"""Lossless verification of drafted tokens: speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
+"""Lossless verification of a chain of drafted tokens: speculative sampling (Leviathan et al. 2023, Chen et al.
+2023), vectorised over rows.
 
-A row drafts `num_draft` tokens; one target forward gives logits at K+1 positions, position j judging
-draft j (the token after draft j-1) and position K scoring the token after a fully accepted draft. The target
-distribution p_j is the *processed* one (`process_logits`: temperature, top-k, top-p, min-p; greedy rows, those
-with a temperature below `GREEDY_BELOW`, a point mass on the argmax), so speculation changes how fast tokens
-come, never their distribution.
-
-Vocabulary: drafts are *accepted* left to right until the first rejection at position n; the row then emits
-the n accepted drafts and one token of the target's own at position n: the *recovered* token when draft n was
-rejected, the *bonus* token when all num_draft drafts were accepted (n = num_draft). Every row emits 1 to
-num_draft + 1 tokens.
-
-- Deterministic drafts (n-gram, suffix automaton; no draft probabilities): draw the target's sample t_j at
-  every position and accept draft j iff it equals t_j. P(accept x) = p(x); after a rejection t_n is p with x
-  removed and renormalised, and t_n is the target's own sample either way. With the same keys this is plain
-  sampling, token for token.
-- Probabilistic drafts (x ~ q_j): accept with probability min(1, p_j(x) / q_j(x)); the recovered token comes
-  from norm(max(0, p_n - q_n)), the bonus token from p_n.
-
-Random streams, per row b and output position j, with P = positions[b] + j the token's absolute position:
-  key_j = fold_in(keys[b], P)                      the key plain decoding draws position P with
-  categorical(key_j, ...)                          t_j, and the recovered or bonus token at j = n
-  uniform(fold_in(key_j, _ACCEPT_STREAM))          the acceptance test of a probabilistic draft at j
-The acceptance stream is a distinct child of key_j, so it is independent of the categorical noise, and a large
-constant, so it differs from draft keys derived as fold_in(key_L, i) with a small draft index i < K.
+`rejection_sample` accepts drafts left to right against the processed target distribution and emits the
+accepted drafts plus one target token (recovered or bonus). The rules, the proof that the output follows the
+target distribution, and the random streams are in docs/concepts/losslessness.md.
 """
 
 from __future__ import annotations
@@ -56,14 +36,21 @@ def rejection_sample(keys: jax.Array, target_logits: jax.Array, draft_tokens: ja
                      positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Verify each row's drafts against the target and emit the accepted drafts plus one target token.
 
-    keys: PRNG keys [B], one base key per row (plain decoding's jax.random.key(seed)).
-    target_logits: f32[B, K+1, V] raw target logits; position j judges draft j, position K gives the bonus.
-    draft_tokens: i32[B, K]; entries at j >= num_draft are ignored.
-    draft_probs: f32[B, K, V] the draft's (processed) distributions, or None for deterministic drafts.
-    num_draft: i32[B] in [0, K].
-    sampling: scalars or per-row arrays [B]; temperatures below GREEDY_BELOW (0 included) are greedy.
-    positions: i32[B] absolute position of each row's first output token (None: 0).
-    Returns (output tokens i32[B, K+1] padded with -1, their count i32[B] in [1, num_draft + 1]).
+    Greedy rows accept while the draft is the argmax; deterministic drafts (`draft_probs=None`) are accepted
+    while they equal the target's own sample; probabilistic drafts with probability min(1, p/q). See
+    docs/concepts/losslessness.md.
+
+    Args:
+      keys: key[B], one base key per row (plain decoding's `jax.random.key(seed)`).
+      target_logits: f32[B, K+1, V] raw target logits; position j judges draft j, position K gives the bonus.
+      draft_tokens: i32[B, K]; entries at j >= num_draft are ignored.
+      draft_probs: f32[B, K, V] the draft's (processed) distributions, or None for deterministic drafts.
+      num_draft: i32[B] in [0, K].
+      sampling: scalars or per-row arrays [B]; temperatures below GREEDY_BELOW (0 included) are greedy.
+      positions: i32[B] absolute position of each row's first output token (None: 0).
+
+    Returns:
+      (output tokens i32[B, K+1] padded with -1, their count i32[B] in [1, num_draft + 1]).
     """
     batch, width, vocab = target_logits.shape  # width = K + 1
     k = width - 1

@@ -4,21 +4,12 @@ Layout. A row's draft tree has K non-root nodes. Node 0 is the root, the row's n
 draft); node i+1 holds tokens[:, i] and hangs under node parents[:, i] in [0, i], so a parent always precedes
 its children and a chain is parents[:, i] == i. A node at depth d (the root has depth 0) is a candidate for
 the token at position positions + d - 1, and the target's logits after it, target_logits[:, node], judge its
-children and predict position positions + d. node_valid bool[B, K] marks the nodes that may be accepted
-(closed under ancestors); draft_probs f32[B, K, V], when given, is indexed by node: draft_probs[:, j] is the
-distribution node j's children were drawn from (for a chain, rejection.py's draft_probs[:, j]).
+children. node_valid bool[B, K] marks the nodes that may be accepted (closed under ancestors); draft_probs
+f32[B, K, V], when given, is indexed by node: draft_probs[:, j] is what node j's children were drawn from.
 
-Verification walks one root-to-node path and emits, like the chain (jaxspec/rejection.py), the accepted
-drafts and one target token: 1 to D + 1 tokens, D the tree's maximum depth. The target's K/V of all K+1
-nodes was written at slots start + node; `gather_path` moves the accepted path to start + 0..D so the cache
-holds a plain prefix again.
-
-Random streams, per row b and node at depth d, with P = positions[b] + d the absolute position it predicts:
-  key_d = fold_in(keys[b], P)                           plain decoding's key for position P
-  categorical(key_d, ...)                               the target's own sample there (point-mass rule),
-                                                        the recovered or bonus token at the final node
-  uniform(fold_in(key_d, _ACCEPT_STREAM + s))           acceptance test of the node's s-th tested child
-For a chain (s = 0 everywhere) these are rejection.py's streams exactly, so a chain verifies identically.
+`verify_tree` walks one root-to-node path and emits the accepted drafts and one target token; `gather_path`
+then moves the path's K/V to contiguous cache slots. docs/concepts/draft-trees.md describes the layout and
+docs/concepts/losslessness.md the verification rules, their proof and the random streams.
 """
 
 from __future__ import annotations
@@ -216,15 +207,16 @@ class TreeTopology:
 
     @classmethod
     def best_first(cls, rank_probs: Sequence[Sequence[float]], budget: int) -> "TreeTopology":
-        """The `budget` paths most likely to be right, taking the path of ranks (r_1, ..., r_d) to be right
-        with probability rank_probs[0][r_1] * ... * rank_probs[d-1][r_d].
+        """The tree of the `budget` paths most likely to be right (maximising the expected accepted drafts).
 
-        rank_probs: [D][k], per depth d the probability that the rank-r candidate (Medusa head d's r-th
-        top-k token) is the right token. A path's probability is the chance its last node is accepted, so
-        the kept set maximises the expected number of accepted drafts among all trees of `budget` nodes.
-        Grown best-first from the root: a child is never likelier than its parent (probabilities <= 1), so
-        the set is closed under prefixes by construction. Ties go to the shallower, then lexicographically
-        smaller path; nodes are ordered breadth-first as in `from_paths`.
+        A path of ranks `(r_1, ..., r_d)` is right with probability `rank_probs[0][r_1] * ... *
+        rank_probs[d-1][r_d]`. Ties go to the shallower, then lexicographically smaller path; nodes are
+        ordered breadth-first as in `from_paths`. See docs/concepts/draft-trees.md.
+
+        Args:
+          rank_probs: `[D][k]`, per depth d the probability that the rank-r candidate (Medusa head d's r-th
+            top-k token) is the right token.
+          budget: the number of nodes K.
         """
         table = [list(map(float, row)) for row in rank_probs]
         if not table or not table[0] or any(len(row) != len(table[0]) for row in table):
@@ -252,7 +244,7 @@ class TreeTopology:
     def default(cls, depth: int, top_k: int, budget: int) -> "TreeTopology":
         """`best_first` over a fixed prior, for heads without measured accuracies.
 
-        The prior is rank_probs[d][r] = 0.6 ** (d + 1) / (r + 1): a first head right about 60% of the time
+        The prior is `rank_probs[d][r] = 0.6 ** (d + 1) / (r + 1)`: a first head right about 60% of the time
         with its top-1 candidate (Medusa's reported ballpark), accuracy falling geometrically for heads that
         look further ahead, and lower-ranked candidates less likely roughly in proportion to 1 / rank. Only
         the ordering it induces matters; measured accuracies (`rank_probs` saved by training) replace it.
@@ -495,40 +487,25 @@ def verify_tree(keys: jax.Array, target_logits: jax.Array, tokens: jax.Array, pa
                 max_depth: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Verify each row's draft tree against the target: accept one root-to-node path, then one target token.
 
-    keys: PRNG keys [B], one base key per row (plain decoding's jax.random.key(seed)).
-    target_logits: f32[B, K+1, V] raw target logits after node j (node 0 the root).
-    tokens, parents: i32[B, K]; node i+1's token and parent (in [0, i]).
-    node_valid: bool[B, K] nodes that may be accepted, closed under ancestors.
-    draft_probs: f32[B, K, V] by node (draft_probs[:, j]: what node j's children were drawn from, i.i.d.),
-      or None for deterministic drafts (top-k candidates, lookups).
-    sampling: scalars or per-row arrays [B]; temperatures below GREEDY_BELOW (0 included) are greedy.
-    positions: i32[B] absolute position of each row's first output token (None: 0).
-    max_depth: static D in [0, K] (None: K); nodes deeper than D are never accepted.
-    Returns (path i32[B, D+1] accepted node indices from the root, path[:, 0] = 0, -1 padded; output tokens
-    i32[B, D+1], the accepted drafts then one target token, -1 padded; their count i32[B] in [1, D+1]).
+    Greedy rows follow the argmax; deterministic drafts (`draft_probs=None`) follow the target's own sample
+    (the point-mass rule); drafts with distributions use recursive rejection over i.i.d. siblings. The rules
+    and why they are lossless: docs/concepts/losslessness.md.
 
-    Rules, per row, walking down from the root (the processed target distribution p at each node, as in
-    rejection.py; greedy rows a point mass on the argmax):
-    - Greedy: step to the first valid child whose token is the argmax at the current node, then emit the
-      argmax at the final node: plain greedy decoding, token for token.
-    - Deterministic drafts: draw the target's own sample t at the current node with plain decoding's key for
-      that position; step to the first valid child whose token is t, else emit t. Every output token is the
-      token plain sampling draws, with the same keys token for token ("recursive rejection with point-mass
-      drafts", what EAGLE's reference code does for top-k trees).
-    - Drafts with distributions (SpecInfer's multi-draft rule): a node's children x_1..x_n are i.i.d. draws
-      from q (with replacement). With r = p, test the children in index order: accept x_i with probability
-      min(1, r(x_i) / q(x_i)) and continue at it; on rejection r <- norm(max(0, r - q)). If none is accepted,
-      emit a sample from r; at a leaf (no valid child) emit a bonus sample from p.
+    Args:
+      keys: key[B], one base key per row (plain decoding's `jax.random.key(seed)`).
+      target_logits: f32[B, K+1, V] raw target logits after node j (node 0 the root).
+      tokens: i32[B, K] node i+1's token.
+      parents: i32[B, K] node i+1's parent, in [0, i].
+      node_valid: bool[B, K] nodes that may be accepted, closed under ancestors.
+      draft_probs: f32[B, K, V] by node (`draft_probs[:, j]`: what node j's children were drawn from, i.i.d.),
+        or None for deterministic drafts (top-k candidates, lookups).
+      sampling: scalars or per-row arrays [B]; temperatures below GREEDY_BELOW (0 included) are greedy.
+      positions: i32[B] absolute position of each row's first output token (None: 0).
+      max_depth: static D in [0, K] (None: K); nodes deeper than D are never accepted.
 
-    Why the last rule is lossless: testing x_i ~ q against r is one step of ordinary speculative sampling, so
-    "accept x_i, or else a sample from norm(max(0, r - q))" is distributed as r. Each later sibling is a fresh
-    draw from q, independent of the earlier rejections, so by induction from the last sibling (after which
-    the residual is sampled directly) the token leaving the node is distributed as p. Recursing at the
-    accepted child with its own p gives every output token its target distribution given the tokens before
-    it. This needs each tested child to be distributed as q given everything the test has seen: the number
-    of children at a node (and their validity) may depend on the parent, but not on those children's own
-    sampled values (no deduplication, no stopping once some token shows up), and children chosen without
-    replacement (top-k) must use the deterministic rule instead.
+    Returns:
+      (path i32[B, D+1] accepted node indices from the root, `path[:, 0] = 0`, -1 padded; output tokens
+      i32[B, D+1], the accepted drafts then one target token, -1 padded; their count i32[B] in [1, D+1]).
     """
     target_logits, tokens, parents, node_valid = map(jnp.asarray, (target_logits, tokens, parents, node_valid))
     draft_probs = None if draft_probs is None else jnp.asarray(draft_probs)

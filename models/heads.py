@@ -1,4 +1,4 @@
-"""Trained drafters that read the target's own features: Medusa heads and the EAGLE head (SEEDS.md §2).
+"""Trained drafters that read the target's own features: Medusa heads and the EAGLE head (docs/concepts/proposers.md).
 
 Both reuse the target's token embedding and LM head (frozen, never copied): a head predicts *features*, and
 `Readout` turns features into logits exactly as the target does. So a head is small (Medusa: M residual

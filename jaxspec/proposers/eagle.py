@@ -1,4 +1,6 @@
-"""EAGLE: a one-layer head drafts autoregressively in the target's feature space (SEEDS.md §2).
+"""EAGLE: a one-layer head drafts autoregressively in the target's feature space (Li et al. 2024).
+
+The design and its modes are described in docs/concepts/proposers.md.
 
 Position i of the head reads the pair (f_i, x_{i+1}): the target's feature at i and the token after it. Its
 output predicts f_{i+1}, and the target's LM head turns that into the distribution of x_{i+2}. The head keeps
@@ -38,6 +40,8 @@ from .base import Committed, Context, Draft
 
 @flax.struct.dataclass
 class EagleState:
+    """The EAGLE proposer's per-row state."""
+
     cache: KVCache  # the head's one layer; lengths == the target's committed lengths
     pred: jax.Array  # f32[B, D]  the head's predicted feature at the newest token's position
 
@@ -49,14 +53,16 @@ def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class EagleProposer:
+    """The EAGLE head drafting a chain, a static tree (EAGLE-1) or a dynamic tree (EAGLE-2)."""
+
     num_speculative_tokens: int  # chain: drafts per step; tree: nodes kept for verification
     graphdef: Any  # nnx.GraphDef of EagleHead; params = {"head": state, "readout": Readout}
     cache_len: int  # the target's cache slots per row
-    mode: Literal["chain", "static", "tree"] = "chain"
+    mode: Literal["chain", "static", "tree"] = "chain"  # eagle (chain or static tree) or eagle2 ("tree")
     depth: int = 0  # tree: levels expanded
     top_k: int = 0  # tree: frontier nodes per level, and children per frontier node
     topology: TreeTopology | None = None  # static: the tree
-    needs_features: bool = True
+    needs_features: bool = True  # the loop passes the target's hidden states
 
     def __post_init__(self):
         if self.mode not in ("chain", "static", "tree"):
@@ -74,12 +80,14 @@ class EagleProposer:
 
     @property
     def max_depth(self) -> int:
+        """The most drafts one step can accept: K for a chain, the tree's depth otherwise."""
         if self.mode == "static":
             return self.topology.max_depth
         return self.depth if self.mode == "tree" else self.num_speculative_tokens
 
     @property
     def num_candidates(self) -> int:
+        """Tree mode: the nodes drafted before the best K are kept."""
         return self.top_k + (self.depth - 1) * self.top_k ** 2
 
     @property
@@ -97,6 +105,7 @@ class EagleProposer:
         return tuple(sorted(set(p for p in self.topology.parents if p > 0), key=lambda n: (depth[n - 1], n)))
 
     def init(self, params, ctx: Context) -> EagleState:
+        """The head's cache over every prompt pair, and its prediction at the last one."""
         head = nnx.merge(self.graphdef, params["head"])
         batch, width = ctx.features.shape[:2]
         cache = head.new_cache(batch, self.cache_len + self._scratch)
@@ -108,6 +117,7 @@ class EagleProposer:
         return EagleState(cache=cache.replace(lengths=prompt_len), pred=_take_rows(out, prompt_len - 1))
 
     def update(self, params, state: EagleState, ctx: Context, committed: Committed) -> EagleState:
+        """The head reads the committed pairs with the target's features; its cache advances by the count."""
         head = nnx.merge(self.graphdef, params["head"])
         width = self.max_depth + 1  # a step commits at most max_depth drafts plus one token
         tokens, features = committed.tokens[:, :width], committed.features[:, :width]
@@ -119,6 +129,7 @@ class EagleProposer:
         return EagleState(cache=cache.advance(num), pred=pred)
 
     def propose(self, params, state: EagleState, ctx: Context, keys) -> tuple[Draft, EagleState]:
+        """A chain (sampled rows carry q), a static tree, or the dynamic tree, by `mode`."""
         if self.mode == "chain":
             return self._chain(params, state, ctx, keys), state
         if self.mode == "static":

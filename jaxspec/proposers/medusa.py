@@ -24,10 +24,12 @@ from .base import Committed, Context, Draft
 
 @dataclasses.dataclass(frozen=True)
 class MedusaProposer:
+    """Medusa heads drafting a static tree (`SpecConfig(method="medusa")`)."""
+
     num_speculative_tokens: int  # non-root nodes of the tree
     graphdef: Any  # nnx.GraphDef of MedusaHeads; params = {"head": state, "readout": Readout}
-    topology: TreeTopology
-    needs_features: bool = True
+    topology: TreeTopology  # the static tree the candidates are laid into
+    needs_features: bool = True  # the loop passes the target's hidden states
 
     def __post_init__(self):
         if self.topology.num_nodes != self.num_speculative_tokens:
@@ -36,10 +38,12 @@ class MedusaProposer:
 
     @property
     def max_depth(self) -> int:
+        """The tree's depth D: the most drafts one step can accept."""
         return self.topology.max_depth
 
     @property
     def top_k(self) -> int:
+        """Candidates taken from each head: one more than the highest rank the tree uses."""
         return max(self.topology.child_rank) + 1
 
     def init(self, params, ctx: Context) -> jax.Array:
@@ -48,6 +52,7 @@ class MedusaProposer:
         return jnp.take_along_axis(ctx.features, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
 
     def propose(self, params, feature, ctx: Context, keys) -> tuple[Draft, jax.Array]:
+        """The tree of every head's top-k candidates, all K nodes for every row."""
         heads = nnx.merge(self.graphdef, params["head"])
         depth = self.max_depth
         logits = params["readout"].logits(heads(feature)[:, :depth])  # f32[B, D, V]
@@ -59,6 +64,7 @@ class MedusaProposer:
         return Draft(tokens=tokens, num_draft=num, parents=parents), feature
 
     def update(self, params, feature, ctx: Context, committed: Committed) -> jax.Array:
+        """f32[B, D]: the target's feature behind the newest committed token."""
         last = jnp.maximum(committed.num - 1, 0)
         newest = jnp.take_along_axis(committed.features, last[:, None, None], axis=1)[:, 0]
         return jnp.where((committed.num > 0)[:, None], newest.astype(jnp.float32), feature)

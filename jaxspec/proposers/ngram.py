@@ -17,15 +17,19 @@ from .base import Committed, Context, Draft, lookup_draft_count
 
 @dataclasses.dataclass(frozen=True)
 class NgramProposer:
-    num_speculative_tokens: int
-    ngram_max: int = 4
-    min_match: int = 2
-    draft_per_match: float | None = None
+    """Prompt lookup (`SpecConfig(method="ngram")`): stateless, params unused, deterministic drafts."""
+
+    num_speculative_tokens: int  # K
+    ngram_max: int = 4  # the longest n-gram tried
+    min_match: int = 2  # the shortest n-gram tried; shorter matches draft nothing
+    draft_per_match: float | None = None  # at most ceil(draft_per_match * match length) drafts; None: no cap
 
     def init(self, params, ctx: Context):
+        """No state: ()."""
         return ()
 
     def propose(self, params, pstate, ctx: Context, keys: jax.Array) -> tuple[Draft, tuple]:
+        """The K tokens after the earliest occurrence of the longest matching n-gram, per row."""
         hist, hist_len = ctx.history, ctx.history_len  # i32[B, H], i32[B]
         batch, width = hist.shape
         k = self.num_speculative_tokens
@@ -53,4 +57,5 @@ class NgramProposer:
         return Draft(tokens=tokens, num_draft=num_draft, match_len=match_len), pstate
 
     def update(self, params, pstate, ctx: Context, committed: Committed):
+        """No state to update."""
         return pstate

@@ -34,6 +34,8 @@ class SamState:
 
 @dataclasses.dataclass(frozen=True)
 class SamProposer:
+    """Suffix-automaton drafting (`SpecConfig(method="sam")`); params: a StaticSuffixAutomaton or None."""
+
     num_speculative_tokens: int  # K
     max_text_len: int  # the dynamic automaton's capacity (prompt bucket + output buffer); past it: no drafts
     source: str = "dynamic"  # "dynamic" | "static" | "both"
@@ -73,6 +75,7 @@ class SamProposer:
         return SamState(dynamic=dynamic, static=static)
 
     def propose(self, params, pstate: SamState, ctx: Context, keys: jax.Array) -> tuple[Draft, SamState]:
+        """The tokens after the longest earlier occurrence of each row's suffix, from the chosen source(s)."""
         k = self.num_speculative_tokens
         if self._dynamic:
             tokens, match_len, available = sam_lib.dynamic_draft_batch(pstate.dynamic, k)

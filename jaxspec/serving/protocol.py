@@ -22,13 +22,17 @@ class _Body(BaseModel):
 
 
 class SpeculativeOptions(_Body):
+    """The `speculative` request field: a method the server was started with, and a draft budget."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: SpecMethodName | None = None
-    num_speculative_tokens: int | None = Field(None, ge=0)
+    method: SpecMethodName | None = None  # None: the server's default method
+    num_speculative_tokens: int | None = Field(None, ge=0)  # None: the server's K; at most the server's K
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    """The `stream_options` request field."""
+
+    include_usage: bool = False  # end the stream with a chunk holding the token counts
 
 
 class _Generation(_Body):
@@ -71,13 +75,16 @@ class _Generation(_Body):
 
 
 class CompletionRequest(_Generation):
+    """The body of `POST /v1/completions` (the common fields are listed in the serving how-to)."""
+
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's range for completions
-    echo: bool = False
+    echo: bool = False  # refused: not supported
 
     @property
     def top_logprobs_wanted(self) -> int | None:
+        """Most likely tokens to return per position, or None for no logprobs."""
         return self.logprobs
 
     @field_validator("echo")
@@ -89,23 +96,30 @@ class CompletionRequest(_Generation):
 
 
 class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+    """One text part of a chat message's content list (the only part type served)."""
+
+    type: Literal["text"]  # always "text"
+    text: str  # the part's text
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    """One message of a chat request."""
+
+    role: Literal["system", "developer", "user", "assistant"]  # who speaks
+    content: str | list[TextPart]  # a string, or text parts joined in order
+    name: str | None = None  # accepted and ignored
 
     def text(self) -> str:
+        """The content as one string."""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Generation):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    """The body of `POST /v1/chat/completions` (the common fields are listed in the serving how-to)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)  # rendered with the model's chat template
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False  # return each generated token's log-probability
     top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's range for chat
 
     @field_validator("top_logprobs")
@@ -117,6 +131,7 @@ class ChatCompletionRequest(_Generation):
 
     @property
     def top_logprobs_wanted(self) -> int | None:
+        """Most likely tokens to return per position, or None for no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
@@ -129,6 +144,7 @@ class RequestError(Exception):
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
     def body(self) -> dict[str, Any]:
+        """The JSON error body: {"error": {"message", "type", "param", "code"}}."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
@@ -199,6 +215,7 @@ def validation_error(err: ValidationError) -> RequestError:
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
+    """A validated `model` from a decoded JSON body; RequestError (HTTP 400, naming the field) otherwise."""
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}", param=None)
     try:
