@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class KVCache:
+    """Per-layer K/V buffers of S slots per row and each row's committed length (a pytree)."""
+
     k: tuple[jax.Array, ...]  # per layer: [B, Hkv, S, hd]
     v: tuple[jax.Array, ...]  # per layer: [B, Hkv, S, hd]
     lengths: jax.Array  # i32[B]  committed tokens per row
@@ -21,8 +23,9 @@ class KVCache:
     @classmethod
     def create(cls, *, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                dtype=jnp.float32) -> "KVCache":
+        """Zeroed buffers [batch, num_kv_heads, max_len, head_dim] per layer, every length 0."""
         # Per-layer arrays rather than one stacked [L, ...] array: slicing a stacked cache (or weights) per
-        # layer materialises copies on XLA:CPU (see CPU-PERF.md).
+        # layer materialises copies on XLA:CPU (docs/cpu-performance.md).
         shape = (batch, num_kv_heads, max_len, head_dim)
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -32,10 +35,12 @@ class KVCache:
 
     @property
     def batch(self) -> int:
+        """Rows B."""
         return self.lengths.shape[0]
 
     @property
     def max_len(self) -> int:
+        """Slots S per row."""
         return self.k[0].shape[2]
 
     def advance(self, num_tokens: jax.Array) -> "KVCache":

@@ -22,14 +22,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .cache import KVCache
 from . import logprobs as lp
+from .cache import KVCache
 from .config import SamplingParams
 from .proposers.base import Committed, Context, Draft, Proposer
 from .rejection import rejection_sample
 from .sampling import row_keys, sample
 from .tree import depths, gather_nodes, gather_path, tree_ancestor_mask, verify_tree
-
 
 # What a draft token outside [0, vocab) becomes before anything is fed to the target: the embedding lookup of
 # an out-of-range id gives NaN, whose K/V would stay in the cache past the row's length and poison the row.
@@ -132,7 +131,8 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     cache = model.new_cache(batch, cache_len)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     # Prefill keeps the XLA attention: the kernel is built for the few new tokens of a verification step.
-    out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla")
+    out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla",
+                       cached_slots=0)
     # (out.hidden holds every prompt position's feature, which EAGLE and Medusa heads start from.)
     cache = cache.advance(prompt_lens)
     first = sample(row_keys(sampling.seed, cache.lengths), out.logits[:, 0], sampling)

@@ -4,7 +4,7 @@ One forward path serves prefill, single-token decode and verification: T new tok
 positions, their K/V written into a preallocated cache at per-row lengths, an optional mask among the new
 tokens (causal by default, a tree's ancestor mask for tree verification). It returns logits and hidden states.
 
-Layout choices that decide speed on XLA:CPU (see CPU-PERF.md and docs/BENCHMARKS.md): layers are separate
+Layout choices that decide speed on XLA:CPU (see docs/cpu-performance.md and docs/BENCHMARKS.md): layers are separate
 modules (their weights separate arrays, the layer loop unrolled in the trace); q/k/v and gate/up are fused
 into one wider matmul each; weights are [out, in] and the residual stream is feature-major [D, B*T], so each
 projection is W @ xt (measured 1.3x faster than x @ W at 8 rows); attention contracts the G query heads and
@@ -14,6 +14,7 @@ embeddings are tied) because a single row runs fastest as h @ W.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import flax.struct
@@ -32,6 +33,8 @@ _MASKED = -1e30  # finite, so a fully masked row (never produced here) would not
 
 @flax.struct.dataclass
 class ModelOutput:
+    """What a forward returns: logits where asked, the final hidden states, and chosen layers' outputs."""
+
     logits: jax.Array | None  # f32[B, L, V]  (L = T, or the positions picked by `logits_at`)
     hidden: jax.Array  # [B, T, D]  final normed hidden state (the feature EAGLE heads read)
     layer_hidden: tuple[jax.Array, ...] = ()  # [B, T, D] each: outputs of the requested decoder layers
@@ -42,6 +45,8 @@ def _dense_init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
 
 
 class RMSNorm(nnx.Module):
+    """Root-mean-square layer norm with a learned scale, over a feature-major [D, N] stream."""
+
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
@@ -54,6 +59,8 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary positions over the KV cache (fused q/k/v projection)."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = cfg.jnp_dtype
         self.cfg = cfg
@@ -62,7 +69,8 @@ class Attention(nnx.Module):
         self.qkv_bias = nnx.Param(jnp.zeros((qkv_width,), dt)) if cfg.attention_bias else None
         self.o = _dense_init(rngs, (cfg.hidden_size, cfg.num_heads * cfg.head_dim), dt)  # [D, H hd]
 
-    def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask):
+    def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
+                 cached_slots=None):
         """xt [D, B*T] feature-major; returns the attention block's output in the same layout."""
         cfg = self.cfg
         B, T = cos.shape[:2]
@@ -74,16 +82,18 @@ class Attention(nnx.Module):
         qkv = qkv.reshape(H + 2 * Hkv, hd, B, T).transpose(2, 3, 0, 1)
         q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
         q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        k_cache = write_new(k_cache, k.transpose(0, 2, 1, 3), lengths)
-        v_cache = write_new(v_cache, v.transpose(0, 2, 1, 3), lengths)
+        k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
+        v = v.transpose(0, 2, 1, 3)
+        k_cache, v_cache = write_new(k_cache, k, lengths), write_new(v_cache, v, lengths)
         if attention_impl == "pallas":
             from jaxspec.kernels.verify_attention import verify_attention
 
             out = verify_attention(q, k_cache, v_cache, lengths, tree_mask,
                                    interpret=jax.default_backend() == "cpu")
-        else:
+        elif visible is not None:  # the caller's own mask over the whole cache (the EAGLE head's trees)
             out = _xla_attention(q, k_cache, v_cache, visible, cfg)
+        else:
+            out = _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg, cached_slots)
         return self.o[...] @ out.reshape(B * T, H * hd).T, k_cache, v_cache
 
 
@@ -105,7 +115,46 @@ def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
     return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
 
+_MIN_READ_SLOTS = 256  # the smallest cache prefix a decode step reads; larger ones double from here
+
+
+def read_buckets(max_len: int) -> tuple[int, ...]:
+    """Cache prefixes (slots) a forward may read: 256, 512, ... up to the whole cache of `max_len` slots."""
+    sizes, size = [], _MIN_READ_SLOTS
+    while size < max_len:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes) + (max_len,)
+
+
+def _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfig, cached_slots: int | None):
+    """q [B,T,H,hd] against the committed prefix and the T new tokens (already written at slots lengths i32[B]
+    onwards; causal among themselves, or as `tree_mask` bool[B,T,T] says) -> [B,T,H,hd].
+
+    Only a prefix of the cache [B,Hkv,S,hd] is read: `cached_slots` + T slots when the caller bounds every
+    row's length statically (0 for a prefill), else the smallest of `read_buckets(S)` that holds the longest
+    row and its new tokens. A step's attention then costs what the rows hold, not what the cache could hold;
+    reading a static slice of the updated buffer also leaves XLA free to update the cache in place.
+    """
+    T = q.shape[1]
+    S = k_cache.shape[2]
+
+    def attend(slots: int):
+        visible = visibility_mask(lengths, T, slots, tree_mask)  # bool[B, T, slots]
+        return _xla_attention(q, k_cache[:, :, :slots], v_cache[:, :, :slots], visible, cfg)
+
+    if cached_slots is not None:
+        return attend(min(S, cached_slots + T))
+    sizes = read_buckets(S)
+    if len(sizes) == 1:
+        return attend(S)
+    which = jnp.sum(jnp.asarray(sizes[:-1]) < jnp.max(lengths) + T)  # the first bucket holding every row
+    return jax.lax.switch(which, [functools.partial(attend, n) for n in sizes])
+
+
 class MLP(nnx.Module):
+    """SwiGLU feed-forward block (fused gate/up projection)."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = cfg.jnp_dtype
         self.gate_up = _dense_init(rngs, (2 * cfg.intermediate_size, cfg.hidden_size), dt)  # [2F, D]
@@ -118,15 +167,18 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm transformer block: attention then MLP, each added to the residual stream."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
         self.attn = Attention(cfg, rngs)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask):
+    def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
+                 cached_slots=None):
         attn_out, k_cache, v_cache = self.attn(self.input_norm(xt), cos, sin, k_cache, v_cache, lengths,
-                                               visible, attention_impl, tree_mask)
+                                               visible, attention_impl, tree_mask, cached_slots)
         xt = xt + attn_out
         xt = xt + self.mlp(self.post_attention_norm(xt))
         return xt, k_cache, v_cache
@@ -159,11 +211,12 @@ class Llama(nnx.Module):
         self.embed = _dense_init(rngs, (cfg.vocab_size, cfg.hidden_size), dt, scale=1.0)  # [V, D]
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        # [D, V] even when tied: XLA:CPU runs x @ W faster than x @ E.T for this shape (CPU-PERF.md).
+        # [D, V] even when tied: XLA:CPU runs x @ W faster than x @ E.T for this shape (docs/cpu-performance.md).
         self.lm_head = nnx.Param(self.embed[...].T if cfg.tie_word_embeddings
                                  else _dense_init(rngs, (cfg.hidden_size, cfg.vocab_size), dt)[...])
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache of `max_len` slots per row for `batch` rows, in the model's dtype."""
         cfg = self.cfg
         return KVCache.create(num_layers=cfg.num_layers, batch=batch, num_kv_heads=cfg.num_kv_heads,
                               max_len=max_len, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype)
@@ -172,7 +225,7 @@ class Llama(nnx.Module):
         """f32[..., V] from final normed hidden states [..., D]."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         if rows.shape[0] > 1 and self.cfg.tie_word_embeddings:
-            # Several rows: E @ h^T over the [V, D] table runs faster on XLA:CPU than h @ W (CPU-PERF.md).
+            # Several rows: E @ h^T over the [V, D] table runs faster on XLA:CPU than h @ W (docs/cpu-performance.md).
             out = jnp.dot(self.embed[...], rows.T, preferred_element_type=jnp.float32).T
         else:
             out = jnp.dot(rows, self.lm_head[...], preferred_element_type=jnp.float32)
@@ -189,16 +242,17 @@ class Llama(nnx.Module):
         compute_logits: bool = True,
         return_layers: tuple[int, ...] = (),  # decoder layers whose outputs to return (EAGLE-3 features)
         attention_impl: AttentionImpl = "xla",
+        cached_slots: int | None = None,  # static bound on cache.lengths (0: an empty cache); None: any
     ) -> tuple[ModelOutput, KVCache]:
-        """Returns the output and the cache with the new K/V written; `cache.lengths` is not advanced."""
+        """Returns the output and the cache with the new K/V written; `cache.lengths` is not advanced.
+
+        `cached_slots=0` tells a prefill that the cache holds nothing yet: attention reads only the new tokens'
+        slots. With None, each forward reads the smallest power-of-two prefix of the cache holding every row."""
         B, T = tokens.shape
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
         cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
-        visible = None
-        if attention_impl == "xla":
-            visible = visibility_mask(cache.lengths, T, cache.max_len, tree_mask)
         # The residual stream is feature-major, [D, B*T]: every projection is then W [out, in] @ xt, the
-        # operand order XLA:CPU runs fastest when a few rows share the weights (CPU-PERF.md's small-M case).
+        # operand order XLA:CPU runs fastest when a few rows share the weights (docs/cpu-performance.md).
         xt = x.reshape(B * T, -1).T
         ks, vs, saved = list(cache.k), list(cache.v), []
 
@@ -206,7 +260,9 @@ class Llama(nnx.Module):
             return xt.T.reshape(B, T, -1)
 
         for i, layer in enumerate(self.layers):
-            xt, ks[i], vs[i] = layer(xt, cos, sin, ks[i], vs[i], cache.lengths, visible, attention_impl, tree_mask)
+            # visible=None: the target's mask is built per cache bucket (`_bucketed_attention`).
+            xt, ks[i], vs[i] = layer(xt, cos, sin, ks[i], vs[i], cache.lengths, None, attention_impl, tree_mask,
+                                     cached_slots)
             if i in return_layers:
                 saved.append(rows(xt))
         hidden = rows(self.norm(xt))

@@ -47,6 +47,8 @@ _FEATURE_ALIGN = 256  # teacher-forced forwards are padded to multiples of this:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationSettings:
+    """How the target generates the self-distillation continuations."""
+
     gen_tokens: int = 128  # new tokens per prompt (a row stops earlier at EOS)
     temperature: float = 0.0  # 0: greedy
     seed: int = 0  # sampling seed (temperature > 0); row i samples with seed * 100003 + i
@@ -106,7 +108,7 @@ def _features(graphdef, params, tokens: jax.Array) -> jax.Array:
     model = nnx.merge(graphdef, params)
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    out, _ = model(tokens, positions, model.new_cache(batch, width), compute_logits=False)
+    out, _ = model(tokens, positions, model.new_cache(batch, width), compute_logits=False, cached_slots=0)
     return out.hidden.astype(jnp.float16)
 
 

@@ -30,7 +30,9 @@ from .base import Committed, Context, Draft
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelProposer:
-    num_speculative_tokens: int
+    """Drafts K tokens a step with a small model of the target's vocabulary, sampled from its q (sent along)."""
+
+    num_speculative_tokens: int  # K: tokens drafted per step
     graphdef: Any  # nnx.GraphDef of the draft model; its params are the proposer params
     cache_len: int  # the draft cache's slots per row (the target's cache length is enough)
     prompt_width: int  # the prompt bucket P: init prefills history[:, :P]
@@ -41,10 +43,12 @@ class DraftModelProposer:
         batch = ctx.history.shape[0]
         cache = model.new_cache(batch, self.cache_len)
         positions = jnp.broadcast_to(jnp.arange(self.prompt_width, dtype=jnp.int32), (batch, self.prompt_width))
-        _, cache = model(ctx.history[:, : self.prompt_width], positions, cache, compute_logits=False)
+        _, cache = model(ctx.history[:, : self.prompt_width], positions, cache, compute_logits=False,
+                         cached_slots=0)
         return cache
 
     def propose(self, params, cache, ctx: Context, keys: jax.Array) -> tuple[Draft, Any]:
+        """K draft tokens per row and the distributions q they were drawn from, and the advanced draft cache."""
         model = nnx.merge(self.graphdef, params)
         k = self.num_speculative_tokens
         newest = ctx.positions  # i32[B]: the newest token's position (== its index in the history)

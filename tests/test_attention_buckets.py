@@ -1,0 +1,112 @@
+"""Length-aware attention: a forward reads only the cache prefix its rows hold, with the same result.
+
+The target's attention reads the smallest of `read_buckets(S)` (256, 512, ... S) that holds every row's
+committed tokens and its new ones. Rows in different buckets, chains and trees must give exactly what a read
+of the whole cache gives, and the decode loop must update the cache in place (no copy of a whole layer's
+buffer per step), which is what makes a step's cost follow the tokens used rather than the cache size.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxspec
+from jaxspec import SamplingParams
+from jaxspec.decode import RowLimits, decode, prefill
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.llama import Llama, read_buckets
+from jaxspec.tree import tree_ancestor_mask
+
+CFG = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
+                  num_kv_heads=2, head_dim=8, tie_word_embeddings=False, max_position_embeddings=2048)
+S = 1024
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(CFG, rngs=nnx.Rngs(1))
+
+
+def test_read_buckets():
+    assert read_buckets(1024) == (256, 512, 1024)
+    assert read_buckets(640) == (256, 512, 640)
+    assert read_buckets(256) == (256,)
+    assert read_buckets(128) == (128,)
+
+
+def _filled_cache(model, lengths: list[int]):
+    """A cache of S slots whose rows hold `lengths` random tokens (written by a prefill forward)."""
+    rng = np.random.default_rng(0)
+    width = max(lengths)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (len(lengths), width)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+    _, cache = jax.jit(lambda t, p, c: model(t, p, c, compute_logits=False, cached_slots=0))(
+        tokens, positions, model.new_cache(len(lengths), S))
+    return cache.advance(jnp.asarray(lengths, jnp.int32))
+
+
+@pytest.mark.parametrize("lengths", [[100, 600], [10, 20], [700, 1000]])
+@pytest.mark.parametrize("tree", [False, True])
+def test_bucketed_read_equals_whole_cache_read(model, lengths, tree):
+    """Rows in different buckets (and a batch that fits the smallest, and one that needs the whole cache) give
+    the logits and cache of a forward that reads all S slots."""
+    cache = _filled_cache(model, lengths)
+    batch, t = len(lengths), 4
+    new = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (batch, t)), jnp.int32)
+    if tree:  # root, two children of the root, a grandchild under the second child
+        parents = jnp.broadcast_to(jnp.asarray([0, 0, 2], jnp.int32), (batch, t - 1))
+        mask = tree_ancestor_mask(parents)
+        depth = jnp.asarray([0, 1, 1, 2], jnp.int32)
+    else:
+        mask, depth = None, jnp.arange(t, dtype=jnp.int32)
+    positions = cache.lengths[:, None] + depth
+
+    def forward(cached_slots):
+        return jax.jit(lambda c: model(new, positions, c, tree_mask=mask, cached_slots=cached_slots))(cache)
+
+    out, got_cache = forward(None)
+    ref, ref_cache = forward(S)  # a static bound of S: every slot is read
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_cache.k + got_cache.v, ref_cache.k + ref_cache.v):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_incremental_decode_equals_one_forward(model):
+    """Teacher forcing across a bucket boundary: logits of tokens fed ten at a time past slot 256 equal the
+    logits of one forward over the whole sequence."""
+    seq = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (1, 300)), jnp.int32)
+    positions = jnp.arange(300, dtype=jnp.int32)[None]
+    full, _ = jax.jit(lambda: model(seq, positions, model.new_cache(1, S), cached_slots=0))()
+    _, cache = jax.jit(lambda: model(seq[:, :250], positions[:, :250], model.new_cache(1, S),
+                                     compute_logits=False, cached_slots=0))()
+    cache = cache.advance(jnp.asarray([250], jnp.int32))
+    step = jax.jit(lambda tok, pos, c: model(tok, pos, c))
+    for i in range(250, 300, 10):
+        out, cache = step(seq[:, i:i + 10], positions[:, i:i + 10], cache)
+        cache = cache.advance(jnp.asarray([10], jnp.int32))
+        np.testing.assert_allclose(np.asarray(out.logits), np.asarray(full.logits[:, i:i + 10]), rtol=2e-4,
+                                   atol=2e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_loop_updates_the_cache_in_place(batch):
+    """The compiled decode loop copies no whole per-layer cache buffer: each step's K/V write is in place."""
+    lm = jaxspec.LanguageModel.from_module(Llama(CFG, rngs=nnx.Rngs(0)), name="bucket-test")
+    prompts = jnp.zeros((batch, 16), jnp.int32)
+    sampling = SamplingParams().broadcast(batch)
+    limits = RowLimits(max_new_tokens=jnp.full((batch,), 8, jnp.int32), stop_ids=jnp.full((batch, 1), -1, jnp.int32))
+    state = prefill(lm.graphdef, lm.params, prompts, jnp.full((batch,), 5, jnp.int32), sampling, limits,
+                    cache_len=S, buffer_len=16)
+    hlo = decode.lower(lm.graphdef, lm.params, state, sampling, limits).compile().as_text()
+    buffer = re.escape(f"f32[{batch},{CFG.num_kv_heads},{S},{CFG.head_dim}]")
+    copies = re.findall(rf"= {buffer}\S* copy\(", hlo)
+    assert not copies, f"{len(copies)} copies of a whole cache buffer in the decode loop"
+    # The loop still runs and commits tokens.
+    out = decode(lm.graphdef, lm.params, state, sampling, limits)
+    assert int(out.history_len[0] - out.prompt_len[0]) == 8
