@@ -118,8 +118,18 @@ def test_verify_widths_do_not_change_output(tiny_lm, prompts, plain, widths):
     assert out.token_ids == plain.token_ids
 
 
+def test_plain_greedy_equals_teacher_forced_argmax(tiny_lm, prompts, plain):
+    """The reference every speculative test compares with, checked on its own: each generated token is the
+    argmax of one forward over the prompt and the tokens before it."""
+    for prompt, row in zip(prompts, plain.token_ids):
+        seq = jnp.asarray([prompt + row], jnp.int32)
+        positions = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
+        out, _ = tiny_lm.module(seq, positions, tiny_lm.module.new_cache(1, seq.shape[1] + 1))
+        argmax = np.asarray(jnp.argmax(out.logits[0], axis=-1))
+        assert row == argmax[len(prompt) - 1: len(prompt) - 1 + len(row)].tolist()
+
+
 @pytest.mark.parametrize("spec", [
-    SpecConfig(method="none"),
     SpecConfig(method="ngram", num_speculative_tokens=3, min_match=1),
     SpecConfig(method="ngram", num_speculative_tokens=5, draft_per_match=1.0, verify_widths=(1, 3, 6)),
     SpecConfig(method="sam", num_speculative_tokens=4, min_match=1),
@@ -129,6 +139,9 @@ def test_greedy_speculative_equals_plain(tiny_lm, prompts, plain, spec):
     out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, spec=spec)
     assert out.token_ids == plain.token_ids
     assert out.stats.generated_tokens == plain.stats.generated_tokens
+    # It cannot pass by never drafting: drafts were made, some accepted, and fewer steps than tokens.
+    assert out.stats.drafted > 0 and out.stats.accepted > 0
+    assert out.stats.row_steps < plain.stats.row_steps
 
 
 @pytest.mark.parametrize("method", ["ngram", "sam"])

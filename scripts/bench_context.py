@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""What a plain decode step costs against the cache size and the tokens the rows hold (default model).
+
+A step must cost what the rows hold, not what the cache could hold: at a 2048-slot cache with 300 tokens used,
+a batch-1 step should cost about what it costs at a 256-slot cache. Each configuration (prompt tokens P, cache
+slots S) prefills HumanEval text to P tokens and times the jitted decode loop over `--new-tokens` steps
+(EOS ignored); the configurations run interleaved over `--repeats` rounds and the median ms/step is reported,
+with each one's ratio to the first configuration.
+
+    python scripts/bench_context.py                                   # batch 1 and 8
+    python scripts/bench_context.py --configs 200:256,300:2048 --batches 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec
+import workloads  # scripts/: python puts a script's own folder on sys.path
+from jaxspec.decode import RowLimits, decode, prefill
+
+DEFAULT_CONFIGS = "200:256,300:512,300:1024,300:2048,1000:2048,1800:2048"
+
+
+def step_ms(lm, tokens: list[int], prompt_len: int, cache_len: int, batch: int, new_tokens: int) -> float:
+    """ms per decode-loop step, one timed call after a compiling one."""
+    width = 1 << (prompt_len - 1).bit_length()
+    prompts = np.zeros((batch, width), np.int32)
+    prompts[:, :prompt_len] = tokens[:prompt_len]
+    lens = jnp.full((batch,), prompt_len, jnp.int32)
+    sampling = jaxspec.SamplingParams().broadcast(batch)
+    limits = RowLimits(max_new_tokens=jnp.full((batch,), new_tokens, jnp.int32),
+                       stop_ids=jnp.full((batch, 1), -1, jnp.int32))
+    buffer = 1 << (new_tokens - 1).bit_length()
+    state = prefill(lm.graphdef, lm.params, jnp.asarray(prompts), lens, sampling, limits, cache_len=cache_len,
+                    buffer_len=buffer)
+    jax.block_until_ready(state.history)
+    t0 = time.perf_counter()
+    state = decode(lm.graphdef, lm.params, state, sampling, limits)
+    jax.block_until_ready(state.history)
+    return (time.perf_counter() - t0) / int(state.steps) * 1000
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help="prompt tokens:cache slots, comma-separated; the first is the baseline "
+                             "(default: %(default)s)")
+    parser.add_argument("--batches", default="1,8", help="(default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=48, help="decode steps timed (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    args = parser.parse_args(argv)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
+    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    for p, s in configs:
+        if p + args.new_tokens + 1 > s:
+            parser.error(f"config {p}:{s}: {p} prompt tokens + {args.new_tokens} new tokens do not fit {s} slots")
+
+    lm = jaxspec.load_model("smollm2-135m")
+    tokens = lm.tokenizer.encode("".join(workloads.free_form_texts()))
+    print(f"# decode step vs cache size: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; {args.new_tokens} steps, median of {args.repeats} interleaved rounds\n")
+    print("| batch | prompt tokens | cache slots | ms/step | x first |")
+    print("|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        for p, s in configs:  # compile every configuration before timing any
+            step_ms(lm, tokens, p, s, batch, args.new_tokens)
+        times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
+        for _ in range(args.repeats):
+            for p, s in configs:
+                times[(p, s)].append(step_ms(lm, tokens, p, s, batch, args.new_tokens))
+        base = statistics.median(times[configs[0]])
+        for p, s in configs:
+            ms = statistics.median(times[(p, s)])
+            print(f"| {batch} | {p} | {s} | {ms:.1f} | {ms / base:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
