@@ -1,12 +1,15 @@
 """jaxspec: speculative decoding for JAX/Flax.
 
 The public API: load a model, generate (plainly or speculatively), and the pieces researchers compose
-(sampling, rejection sampling, proposers, cache, models).
+(sampling, rejection sampling, proposers, cache, models). The loop `generate` runs is public too: `prepare`
+builds its inputs from plain prompts, `prefill`, `decode` (or `decode_chunk`, or `spec_step` in a loop of your
+own) run it, and `Prepared.new_tokens` reads the result (docs/how-to/own-loop.md).
 """
 
 from .cache import KVCache
 from .config import SamplingParams, SpecConfig
-from .generation import GenerateResult, GenerateStats, RowStats, generate
+from .decode import DecodeState, RowLimits, decode, decode_chunk, prefill, spec_step
+from .generation import GenerateResult, GenerateStats, Prepared, RowStats, generate, prepare
 from .logprobs import TokenLogprob
 from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_model
 from .proposers import StaticSuffixAutomaton
@@ -16,22 +19,30 @@ from .tree import TreeTopology, verify_tree
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DecodeState",
     "GenerateResult",
     "GenerateStats",
     "KVCache",
     "LanguageModel",
     "NAMED_MODELS",
+    "Prepared",
+    "RowLimits",
     "RowStats",
     "SamplingParams",
     "SpecConfig",
     "StaticSuffixAutomaton",
     "TokenLogprob",
     "TreeTopology",
+    "decode",
+    "decode_chunk",
     "generate",
     "load_model",
+    "prefill",
+    "prepare",
     "process_logits",
     "rejection_sample",
     "processed_probs",
     "sample",
+    "spec_step",
     "verify_tree",
 ]

@@ -69,7 +69,7 @@ def _host_values(name: str, value) -> np.ndarray:
     """The field's values as a numpy array of numbers, or ValueError naming the field."""
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
         raise ValueError(f"{name} is a PRNG key {value.dtype}; it must be {_FIELDS[name].allowed()} "
-                         "(pass the integer seed)")
+                         "(pass the integer seed, or pass the key as generate's rng= to derive per-row seeds)")
     try:
         arr = np.asarray(value)
     except (TypeError, ValueError, OverflowError) as e:  # ragged nesting, unconvertible objects
@@ -207,6 +207,35 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _short_repr(value, limit: int = 160) -> str:
+    """repr(value), cut to `limit` characters (a proposer may hold whole arrays)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_custom_proposer(proposer) -> None:
+    """ValueError unless `proposer` can serve method "custom": it has init, propose and update, and is hashable.
+
+    The proposer is a static argument of the jitted loop (part of the compiled program's identity), so it must
+    hash; arrays belong in `proposer_params`. Its output shapes are checked later, when `jaxspec.prepare` (or
+    `generate`) traces `propose` on the real inputs.
+    """
+    if proposer is None:
+        raise ValueError("method='custom' needs proposer=... (an object with init, propose and update; see "
+                         "jaxspec.proposers.base.Proposer)")
+    missing = [name for name in ("init", "propose", "update") if not callable(getattr(proposer, name, None))]
+    if missing:
+        raise ValueError(f"proposer={_short_repr(proposer)} has no {', '.join(missing)}: a Proposer needs init, "
+                         "propose and update (jaxspec.proposers.base.Proposer)")
+    try:
+        hash(proposer)
+    except Exception as e:  # TypeError for unhashable types and fields; anything a custom __hash__ raises
+        raise ValueError(f"proposer={_short_repr(proposer)} is not hashable ({type(e).__name__}: {e}): it is a "
+                         "static argument of the jitted loop, so it must be a frozen dataclass "
+                         "(@dataclasses.dataclass(frozen=True)) or otherwise hashable; pass arrays as "
+                         "proposer_params") from e
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """How to speculate: static settings, part of the compiled program's identity.
@@ -247,6 +276,8 @@ class SpecConfig:
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
             raise ValueError(f"method={self.method!r} must be one of {SPEC_METHODS}")
+        if self.method == "custom":
+            check_custom_proposer(self.proposer)
         defaults = dict(METHOD_DEFAULTS[self.method])
         if self.method == "custom":
             defaults["num_speculative_tokens"] = getattr(self.proposer, "num_speculative_tokens", None)

@@ -38,6 +38,8 @@ OOV_DRAFT_PLACEHOLDER = 0
 
 @flax.struct.dataclass
 class RowLimits:
+    """When each row stops: its token budget and its stop ids (`jaxspec.prepare` builds them)."""
+
     max_new_tokens: jax.Array  # i32[B]  at least 1
     stop_ids: jax.Array  # i32[B, M]  token ids that end the row (EOS and user stop ids), -1 padded
 
@@ -62,6 +64,12 @@ class SpecCounters:
 
 @flax.struct.dataclass
 class DecodeState:
+    """The whole batch's decode state on the device: what `prefill` returns and `decode`/`spec_step` advance.
+
+    A row's new tokens are `history[i, prompt_len[i]:history_len[i]]` (`jaxspec.Prepared.new_tokens` reads
+    them all as one array).
+    """
+
     cache: KVCache
     history: jax.Array  # i32[B, H]  prompt followed by the generated tokens (garbage past history_len)
     history_len: jax.Array  # i32[B]
@@ -74,6 +82,7 @@ class DecodeState:
 
     @property
     def num_generated(self) -> jax.Array:
+        """i32[B]: tokens each row generated so far (its first, from prefill, included)."""
         return self.history_len - self.prompt_len
 
     @property
@@ -251,9 +260,25 @@ def _path_in_vocab(mask: jax.Array, in_vocab: jax.Array) -> jax.Array:
     return jnp.all(~mask | ok[:, None, :], axis=-1)[:, 1:]
 
 
+def propose_once(proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
+                 limits: RowLimits):
+    """What `proposer.propose` returns at `state`, called with the context and keys `spec_step` gives it.
+
+    Nothing is scored or committed. For inspecting drafts, and for checking a proposer's output shapes with
+    `jax.eval_shape` before anything compiles. Returns propose's result as is: (Draft, new proposer state).
+    """
+    ctx = _context(state, sampling, limits, proposer.num_speculative_tokens)
+    return proposer.propose(proposer_params, state.pstate, ctx, row_keys(sampling.seed, state.cache.lengths))
+
+
 def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
               limits: RowLimits, widths: tuple[int, ...], attention_impl: str = "xla") -> DecodeState:
-    """Propose, score, verify, commit: one step for every row (finished rows ride along and commit nothing)."""
+    """Propose, score, verify, commit: one step for every row (finished rows ride along and commit nothing).
+
+    `model` is the merged target module (`lm.module`, or `nnx.merge(lm.graphdef, lm.params)` inside jit);
+    `widths` the verify widths (`Prepared.widths`). Not jitted itself: call it inside your own jitted
+    function or loop. Returns the new state.
+    """
     k = proposer.num_speculative_tokens
     batch = state.history.shape[0]
     active = ~state.done
@@ -343,7 +368,10 @@ def _loop(graphdef, params, state: DecodeState, sampling: SamplingParams, limits
 def decode(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params=None,
            *, proposer: Proposer = NoProposer(), widths: tuple[int, ...] = (1,),
            attention_impl: str = "xla") -> DecodeState:
-    """Decode until every row is done, as one `lax.while_loop` on the device."""
+    """Decode until every row is done, as one `lax.while_loop` on the device; returns the final state.
+
+    `state` is donated: its buffers are reused for the result, so do not read the state you passed in.
+    """
     max_steps = state.counters.committed.shape[1]
     return _loop(graphdef, params, state, sampling, limits, proposer_params, proposer, widths, attention_impl,
                  jnp.asarray(max_steps, jnp.int32))

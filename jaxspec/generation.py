@@ -8,21 +8,22 @@ result back into token lists, text and timing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import HEAD_METHODS, SamplingParams, SpecConfig
-from .decode import NoProposer, RowLimits, decode, prefill
+from .config import HEAD_METHODS, SamplingParams, SpecConfig, _short_repr
+from .decode import NoProposer, RowLimits, decode, prefill, propose_once
 from .logprobs import TokenLogprob, to_host
 from .models.heads import Readout, load_head, named_head_path
 from .models.loading import LanguageModel
-from .proposers.base import Proposer
+from .proposers.base import Draft, Proposer
 from .proposers.draft_model import DraftModelProposer, self_draft_model
 from .proposers.eagle import EagleProposer
 from .proposers.medusa import MedusaProposer
@@ -111,6 +112,9 @@ class GenerateResult:
     finish_reason: list[str]  # "stop" (EOS or a stop id) or "length" (max_new_tokens)
     stats: GenerateStats  # counts and timings of the whole call
     logprobs: list[list[TokenLogprob]] | None = None  # per prompt, one per token of token_ids (`logprobs=`)
+    # The same new tokens as arrays: i32[B, max_new_tokens], row i's first num_tokens[i] entries, -1 after them.
+    token_array: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    num_tokens: np.ndarray | None = dataclasses.field(default=None, compare=False)  # i32[B]
 
 
 def default_attention_impl() -> str:
@@ -153,12 +157,53 @@ def _encode(lm: LanguageModel, i: int, text: str) -> list[int]:
         raise ValueError(f"prompt {i} could not be tokenised: {e}") from e
 
 
-def normalise_prompts(lm: LanguageModel, prompts) -> list[list[int]]:
-    """Token-id lists from one prompt or a list (strings encoded with the model's tokenizer, ids checked)."""
+def _host(x, name: str = "prompts"):
+    """A concrete jax array as a numpy array; anything else unchanged. ValueError for tracers and PRNG keys."""
+    if isinstance(x, jax.core.Tracer):
+        raise ValueError(f"{name} must be concrete token ids, not traced values inside jit")
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        raise ValueError(f"{name} is an array of PRNG keys {x.dtype}; it must hold integer token ids")
+    return np.asarray(x) if isinstance(x, jax.Array) else x
+
+
+def _array_rows(prompts: np.ndarray, prompt_lengths) -> list[np.ndarray]:
+    """Rows of a right-padded i32[B, P] prompt array, each cut to its length (default: all P), or ValueError."""
+    if prompts.dtype.kind not in "iu":
+        raise ValueError(f"prompts is a {prompts.dtype} array of shape {prompts.shape}; token ids must be integers")
+    batch, width = prompts.shape
+    if batch == 0 or width == 0:
+        raise ValueError(f"prompts has shape {prompts.shape}: at least one row of at least one token is needed")
+    if prompt_lengths is None:
+        return list(prompts)
+    lengths = _host(prompt_lengths, "prompt_lengths")
+    if not _is_token_list(lengths) or len(lengths) != batch:
+        raise ValueError(f"prompt_lengths={prompt_lengths!r} must be {batch} integers, one per row of prompts "
+                         f"{prompts.shape}")
+    for i, n in enumerate(lengths):
+        if not 1 <= n <= width:
+            raise ValueError(f"prompt_lengths[{i}]={int(n)} must be in [1, {width}] (prompts has shape "
+                             f"{prompts.shape})")
+    return [row[: int(n)] for row, n in zip(prompts, lengths)]
+
+
+def normalise_prompts(lm: LanguageModel, prompts, prompt_lengths=None) -> list[list[int]]:
+    """Token-id lists from one prompt or a batch, strings encoded with the model's tokenizer, ids checked.
+
+    A batch is a list of strings, token-id lists or 1-D integer arrays (numpy or jax), or one integer array
+    i32[B, P] whose row i holds `prompt_lengths[i]` tokens followed by padding (default: all P are tokens).
+    """
+    prompts = _host(prompts)
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        prompts = _array_rows(prompts, prompt_lengths)
+    elif prompt_lengths is not None:
+        raise ValueError(f"prompt_lengths={prompt_lengths!r} needs prompts as one 2-D integer array [B, P]")
+    elif isinstance(prompts, (list, tuple)):
+        prompts = [_host(p, f"prompt {i}") for i, p in enumerate(prompts)]
     if isinstance(prompts, str) or (_is_token_list(prompts) and len(prompts) > 0):
         prompts = [prompts]
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-        raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings or token-id lists")
+        raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings or token-id lists, or an "
+                         "integer array [B, P]")
     vocab = lm.config.vocab_size
     out = []
     for i, p in enumerate(prompts):
@@ -322,31 +367,66 @@ def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, bu
     return DraftModelProposer(k, draft.graphdef, cache_len=cache_len, prompt_width=prompt_width), draft.params
 
 
-def generate(
-    lm: LanguageModel,
-    prompts,
-    *,
-    max_new_tokens: int = 128,
-    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-    stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
-    ignore_eos: bool = False,
-    max_cache_len: int | None = None,
-    attention_impl: str | None = None,
-    spec: SpecConfig | None = None,
-    logprobs: int | None = None,
-) -> GenerateResult:
-    """Generate for a batch of prompts (strings or token-id lists, of different lengths).
+_SEED_LIMIT = 2**32 - 1
 
-    `sampling` is one SamplingParams for every row or one per prompt (greedy and sampled rows may share a
-    batch). Rows stop at EOS (unless `ignore_eos`), at any of `stop_token_ids` (one list for all rows or one
-    per prompt), or after `max_new_tokens`. The cache holds at most `max_cache_len` tokens per row (default and
-    upper bound: the model's context length). `attention_impl` is "xla" or "pallas" (the verification kernel, run in
-    interpret mode on CPU); by default "pallas" on a GPU and "xla" elsewhere. `spec` chooses speculative
-    decoding (a proposer and its draft budget); the default, method "none", decodes plainly through the same
-    loop. Greedy output is the same with or without speculation; sampled output follows the same distribution.
-    `logprobs=L` also returns each generated token's log-probability under the target (its raw distribution,
-    before the sampling settings shape it) and the L most likely tokens at each position; None records nothing.
-    """
+
+def _rng_key(rng) -> jax.Array:
+    """A typed PRNG key from `rng`: an integer in [0, 2**32 - 1], a `jax.random.key` or a `jax.random.PRNGKey`."""
+    allowed = (f"rng={rng!r} must be None, an integer in [0, 2**32 - 1], one jax.random.key or one "
+               "jax.random.PRNGKey")
+    if isinstance(rng, jax.core.Tracer):
+        raise ValueError(f"rng must be concrete, not a traced value inside jit: {allowed}")
+    is_array = isinstance(rng, (jax.Array, np.ndarray))
+    if is_array and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.shape != ():
+            raise ValueError(f"rng has shape {rng.shape}: {allowed}")
+        return rng
+    if is_array and rng.ndim == 0 and rng.dtype.kind in "iu":
+        rng = int(rng)  # a 0-d integer array: the integer it holds
+    if _is_int(rng) and 0 <= rng <= _SEED_LIMIT:
+        return jax.random.key(int(rng))
+    if is_array and rng.dtype == np.uint32 and rng.ndim == 1:
+        try:
+            return jax.random.wrap_key_data(jnp.asarray(rng))
+        except (TypeError, ValueError) as e:  # the wrong length for the default PRNG implementation
+            raise ValueError(f"{allowed} ({e})") from e
+    raise ValueError(allowed)
+
+
+def rng_seeds(rng, batch: int) -> np.ndarray:
+    """u32[B] the seeds `rng=` gives rows 0..B-1: row i gets `jax.random.bits(jax.random.fold_in(key, i), (),
+    jnp.uint32)`, where key is `rng` itself or `jax.random.key(rng)` for an integer (a `PRNGKey`'s raw data is
+    wrapped as a key first, so `PRNGKey(s)`, `key(s)` and `s` give the same seeds)."""
+    key = _rng_key(rng)
+    bits = jax.vmap(lambda i: jax.random.bits(jax.random.fold_in(key, i), (), jnp.uint32))
+    return np.asarray(bits(jnp.arange(batch, dtype=jnp.uint32)))
+
+
+def _seeded(rows: SamplingParams, rng) -> SamplingParams:
+    """Rows whose seed is 0 (SamplingParams' default) take their seed from `rng` (`rng_seeds`); rows with a
+    seed of their own keep it. No `rng`: the rows unchanged."""
+    if rng is None:
+        return rows
+    seeds = rng_seeds(rng, rows.seed.shape[0])  # u32[B]
+    return rows.replace(seed=jnp.asarray(np.where(np.asarray(rows.seed) == 0, seeds, np.asarray(rows.seed))))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """`generate`'s and `prepare`'s arguments, validated and normalised on the host."""
+
+    ids: list[list[int]]  # each prompt's token ids
+    sampling: SamplingParams  # per-row arrays [B], seeds filled from rng
+    stop_table: np.ndarray  # i32[B, M] stop ids, -1 padded
+    spec: SpecConfig
+    max_new_tokens: int
+    logprobs: int | None
+    attention_impl: str
+
+
+def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, sampling, stop_token_ids, ignore_eos,
+             max_cache_len, attention_impl, spec, logprobs, rng) -> _Request:
+    """Every argument checked (ValueError naming the first bad one) and normalised."""
     spec = SpecConfig() if spec is None else spec
     if not isinstance(spec, SpecConfig):
         raise ValueError(f"spec={spec!r} must be a jaxspec.SpecConfig")
@@ -360,49 +440,237 @@ def generate(
         attention_impl = default_attention_impl()
     if not isinstance(attention_impl, str) or attention_impl not in ("xla", "pallas"):
         raise ValueError(f"attention_impl={attention_impl!r} must be None, 'xla' or 'pallas'")
-    ids = normalise_prompts(lm, prompts)
-    batch = len(ids)
+    ids = normalise_prompts(lm, prompts, prompt_lengths)
     limit = lm.config.max_position_embeddings if max_cache_len is None else max_cache_len
     for i, p in enumerate(ids):
         if len(p) + max_new_tokens > limit:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                              f"{len(p) + max_new_tokens} cache slots but max_cache_len={limit}")
-    stop_table = _stop_ids(lm, batch, stop_token_ids, ignore_eos)
-    rows = _row_sampling(sampling, batch)
-    prompt_lens = [len(p) for p in ids]
-    if max_new_tokens == 0:
-        empty = GenerateStats(prompt_tokens=sum(prompt_lens), generated_tokens=0, steps=0, prefill_s=0.0, decode_s=0.0)
-        return GenerateResult([[] for _ in ids], ["" for _ in ids], ["length"] * batch, empty,
-                              None if logprobs is None else [[] for _ in ids])
+    stop_table = _stop_ids(lm, len(ids), stop_token_ids, ignore_eos)
+    rows = _seeded(_row_sampling(sampling, len(ids)), rng)
+    return _Request(ids=ids, sampling=rows, stop_table=stop_table, spec=spec, max_new_tokens=max_new_tokens,
+                    logprobs=logprobs, attention_impl=attention_impl)
 
-    width, buffer_len, cache_len = bucket_shapes(prompt_lens, max_new_tokens, spec.num_speculative_tokens)
-    padded = np.zeros((batch, width), np.int32)
-    for i, p in enumerate(ids):
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prepared:
+    """Everything `prefill` and `decode` take for one batch, built from plain inputs by `prepare`.
+
+    Arrays live on the device; the rest are static arguments. `generate` runs exactly this:
+
+        state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
+                        p.proposer_params, p.logprob_rows, proposer=p.proposer, cache_len=p.cache_len,
+                        buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs)
+        state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params,
+                       proposer=p.proposer, widths=p.widths, attention_impl=p.attention_impl)
+        tokens, counts = p.new_tokens(state)
+    """
+
+    prompts: jax.Array  # i32[B, P]  right-padded with 0 to the prompt bucket P
+    prompt_lens: jax.Array  # i32[B]  true prompt lengths
+    sampling: SamplingParams  # per-row arrays [B] (seeds from rng filled in)
+    limits: RowLimits  # token budget i32[B] and stop ids i32[B, M]
+    proposer: Proposer  # static: NoProposer() for plain decoding
+    proposer_params: Any  # the proposer's pytree (weights, a static automaton), or None
+    cache_len: int  # KV cache slots S per row
+    buffer_len: int  # output buffer N (a power of two >= max_new_tokens); the history is P + N wide
+    widths: tuple[int, ...]  # verify widths, ending at K + 1
+    max_new_tokens: int
+    attention_impl: str = "xla"  # "xla" or "pallas" for verification
+    logprob_rows: jax.Array | None = None  # bool[B] rows that record log-probabilities, or None
+    num_top_logprobs: int = 0  # most likely tokens recorded per position (with logprob_rows)
+
+    @property
+    def batch_size(self) -> int:
+        """B, the number of rows."""
+        return self.prompts.shape[0]
+
+    def new_tokens(self, state) -> tuple[np.ndarray, np.ndarray]:
+        """(i32[B, max_new_tokens] each row's new tokens, -1 after them; i32[B] how many) from a `DecodeState`."""
+        history, history_len = jax.device_get((state.history, state.history_len))
+        return _new_tokens(history, history_len, np.asarray(self.prompt_lens), self.max_new_tokens)
+
+
+def _new_tokens(history: np.ndarray, history_len: np.ndarray, prompt_lens: np.ndarray,
+                max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Generated tokens i32[B, max_new_tokens] (-1 padded) and their counts i32[B] from host histories i32[B, H]."""
+    counts = (history_len - prompt_lens).astype(np.int32)  # i32[B]
+    cols = np.arange(max_new_tokens)
+    idx = np.minimum(prompt_lens[:, None] + cols, history.shape[1] - 1)  # i32[B, N]
+    tokens = np.where(cols < counts[:, None], np.take_along_axis(history, idx, axis=1), -1)
+    return tokens.astype(np.int32), counts
+
+
+def _first_draft(graphdef, proposer, cache_len: int, buffer_len: int, params, prompts, prompt_lens, sampling,
+                 limits, proposer_params):
+    """What the proposer returns at the first decode step (for `jax.eval_shape`: shapes only)."""
+    state = prefill(graphdef, params, prompts, prompt_lens, sampling, limits, proposer_params, proposer=proposer,
+                    cache_len=cache_len, buffer_len=buffer_len)
+    return propose_once(proposer, proposer_params, state, sampling, limits)
+
+
+def _check_draft_field(proposer, name: str, got, want: tuple[int, ...] | None, kind, optional: bool) -> None:
+    """ValueError naming Draft.<name> unless its abstract value has shape `want` and a dtype of `kind`."""
+    if got is None:
+        if optional:
+            return
+        raise ValueError(f"proposer {_short_repr(proposer)}: Draft.{name} is None; expected shape {want}")
+    shape, dtype = tuple(getattr(got, "shape", ())), getattr(got, "dtype", None)
+    if shape != want or dtype is None or not jnp.issubdtype(dtype, kind):
+        kind_name = "integers" if kind is jnp.integer else "floats"
+        raise ValueError(f"proposer {_short_repr(proposer)}: Draft.{name} has shape {shape} and dtype {dtype}; "
+                         f"expected {kind_name} of shape {want}" + (" or None" if optional else ""))
+
+
+def check_draft_shapes(lm: LanguageModel, prepared: "Prepared") -> None:
+    """Trace the proposer's `init` and `propose` on the real inputs (`jax.eval_shape`: nothing runs) and raise
+    a ValueError naming the Draft field whose shape or dtype is wrong: tokens [B, K] int, num_draft [B] int,
+    probs None or [B, K, V] float, parents None or [B, K] int."""
+    p = prepared
+    proposer = p.proposer
+    run = functools.partial(_first_draft, lm.graphdef, proposer, p.cache_len, p.buffer_len)
+    out = jax.eval_shape(run, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Draft)):
+        raise ValueError(f"proposer {_short_repr(proposer)}: propose must return (Draft, state); got {out!r}")
+    draft = out[0]
+    b, k, v = p.batch_size, proposer.num_speculative_tokens, lm.config.vocab_size
+    for name, want, kind, optional in (("tokens", (b, k), jnp.integer, False),
+                                       ("num_draft", (b,), jnp.integer, False),
+                                       ("probs", (b, k, v), jnp.floating, True),
+                                       ("parents", (b, k), jnp.integer, True)):
+        _check_draft_field(proposer, name, getattr(draft, name), want, kind, optional)
+
+
+def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
+    """The device inputs for a validated request with max_new_tokens >= 1."""
+    batch = len(req.ids)
+    prompt_lens = [len(p) for p in req.ids]
+    width, buffer_len, cache_len = bucket_shapes(prompt_lens, req.max_new_tokens, req.spec.num_speculative_tokens)
+    padded = np.zeros((batch, width), np.int32)  # i32[B, P]
+    for i, p in enumerate(req.ids):
         padded[i, : len(p)] = p
-    limits = RowLimits(max_new_tokens=jnp.full((batch,), max_new_tokens, jnp.int32),
-                       stop_ids=jnp.asarray(stop_table))
-
-    proposer, proposer_params = build_proposer(lm, spec, prompt_width=width, buffer_len=buffer_len,
+    limits = RowLimits(max_new_tokens=jnp.full((batch,), req.max_new_tokens, jnp.int32),
+                       stop_ids=jnp.asarray(req.stop_table))
+    proposer, proposer_params = build_proposer(lm, req.spec, prompt_width=width, buffer_len=buffer_len,
                                                cache_len=cache_len)
-    widths = spec.verify_widths
+    prepared = Prepared(
+        prompts=jnp.asarray(padded), prompt_lens=jnp.asarray(prompt_lens, jnp.int32), sampling=req.sampling,
+        limits=limits, proposer=proposer, proposer_params=proposer_params, cache_len=cache_len,
+        buffer_len=buffer_len, widths=req.spec.verify_widths, max_new_tokens=req.max_new_tokens,
+        attention_impl=req.attention_impl,
+        logprob_rows=None if req.logprobs is None else jnp.ones((batch,), bool),
+        num_top_logprobs=req.logprobs or 0)
+    if req.spec.method == "custom":
+        check_draft_shapes(lm, prepared)
+    return prepared
+
+
+def prepare(
+    lm: LanguageModel,
+    prompts,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    spec: SpecConfig | None = None,
+    stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+    ignore_eos: bool = False,
+    max_cache_len: int | None = None,
+    prompt_lengths=None,
+    rng=None,
+    logprobs: int | None = None,
+    attention_impl: str | None = None,
+) -> Prepared:
+    """Everything `jaxspec.prefill` and `jaxspec.decode` need, from the plain inputs `generate` takes.
+
+    The arguments mean what they mean for `generate` (which calls this), and are checked the same way
+    (ValueError naming the value); `max_new_tokens` must be at least 1. A custom proposer's `propose` is traced
+    once on these inputs (nothing runs) and a Draft of the wrong shape raises a ValueError naming the field.
+    Returns a `Prepared`: padded prompts, per-row sampling, limits, the proposer and its params, the static
+    sizes; its docstring shows the loop `generate` runs with it.
+    """
+    if _is_int(max_new_tokens) and max_new_tokens == 0:
+        raise ValueError("max_new_tokens=0 must be >= 1 for prepare: prefill always samples one token")
+    req = _request(lm, prompts, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling,
+                   stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_cache_len=max_cache_len,
+                   attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng)
+    return _prepare(lm, req)
+
+
+def _empty_result(req: _Request) -> GenerateResult:
+    """What max_new_tokens=0 returns: no tokens, no steps."""
+    batch = len(req.ids)
+    empty = GenerateStats(prompt_tokens=sum(len(p) for p in req.ids), generated_tokens=0, steps=0, prefill_s=0.0,
+                          decode_s=0.0)
+    return GenerateResult([[] for _ in req.ids], ["" for _ in req.ids], ["length"] * batch, empty,
+                          None if req.logprobs is None else [[] for _ in req.ids],
+                          token_array=np.full((batch, 0), -1, np.int32), num_tokens=np.zeros((batch,), np.int32))
+
+
+def generate(
+    lm: LanguageModel,
+    prompts,
+    *,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+    ignore_eos: bool = False,
+    max_cache_len: int | None = None,
+    attention_impl: str | None = None,
+    spec: SpecConfig | None = None,
+    logprobs: int | None = None,
+    prompt_lengths=None,
+    rng=None,
+) -> GenerateResult:
+    """Generate for a batch of prompts (strings, token-id lists or 1-D integer arrays, of different lengths;
+    or one integer array i32[B, P] whose row i holds `prompt_lengths[i]` tokens, all P by default).
+
+    `sampling` is one SamplingParams for every row or one per prompt (greedy and sampled rows may share a
+    batch). `rng` (an integer, a `jax.random.key` or a `jax.random.PRNGKey`) seeds every row whose seed is 0,
+    SamplingParams' default: row i gets `jax.random.bits(jax.random.fold_in(key, i), (), jnp.uint32)`
+    (`rng_seeds`), so a call reproduces with the same rng and batch order; rows with a seed of their own keep
+    it. Rows stop at EOS (unless `ignore_eos`), at any of `stop_token_ids` (one list for all rows or one
+    per prompt), or after `max_new_tokens`. The cache holds at most `max_cache_len` tokens per row (default and
+    upper bound: the model's context length). `attention_impl` is "xla" or "pallas" (the verification kernel, run in
+    interpret mode on CPU); by default "pallas" on a GPU and "xla" elsewhere. `spec` chooses speculative
+    decoding (a proposer and its draft budget); the default, method "none", decodes plainly through the same
+    loop. Greedy output is the same with or without speculation; sampled output follows the same distribution.
+    `logprobs=L` also returns each generated token's log-probability under the target (its raw distribution,
+    before the sampling settings shape it) and the L most likely tokens at each position; None records nothing.
+
+    Returns a GenerateResult: per row the new tokens as lists (`token_ids`) and as one array
+    (`token_array` i32[B, max_new_tokens], -1 padded, with `num_tokens` i32[B]), text, finish reasons, stats.
+    The loop it runs is the one `prepare`, `prefill` and `decode` expose.
+    """
+    req = _request(lm, prompts, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling,
+                   stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_cache_len=max_cache_len,
+                   attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng)
+    if req.max_new_tokens == 0:
+        return _empty_result(req)
+    p = _prepare(lm, req)
 
     t0 = time.perf_counter()
-    logprob_rows = None if logprobs is None else jnp.ones((batch,), bool)
-    state = prefill(lm.graphdef, lm.params, jnp.asarray(padded), jnp.asarray(prompt_lens, jnp.int32), rows,
-                    limits, proposer_params, logprob_rows, proposer=proposer, cache_len=cache_len,
-                    buffer_len=buffer_len, num_top_logprobs=logprobs or 0)
+    state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
+                    p.logprob_rows, proposer=p.proposer, cache_len=p.cache_len, buffer_len=p.buffer_len,
+                    num_top_logprobs=p.num_top_logprobs)
     jax.block_until_ready(state.history)
     t1 = time.perf_counter()
-    state = decode(lm.graphdef, lm.params, state, rows, limits, proposer_params, proposer=proposer, widths=widths,
-                   attention_impl=attention_impl)
+    state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, proposer=p.proposer,
+                   widths=p.widths, attention_impl=p.attention_impl)
     history, history_len, steps, counters, buffer = jax.device_get(
         (state.history, state.history_len, state.steps, state.counters, state.logprobs))
     t2 = time.perf_counter()
+    return _result(lm, req, history, history_len, steps, counters, buffer, prefill_s=t1 - t0, decode_s=t2 - t1)
 
+
+def _result(lm: LanguageModel, req: _Request, history, history_len, steps, counters, buffer, *, prefill_s: float,
+            decode_s: float) -> GenerateResult:
+    """The host-side result from the decoded state's arrays (already on the host)."""
+    prompt_lens = np.asarray([len(p) for p in req.ids], np.int32)
+    token_array, num_tokens = _new_tokens(history, history_len, prompt_lens, req.max_new_tokens)
     token_ids, texts, reasons, row_stats = [], [], [], []
-    for i in range(batch):
-        row = history[i, prompt_lens[i]: history_len[i]].tolist()
-        stopped = bool(row) and row[-1] in stop_table[i]
+    for i in range(len(req.ids)):
+        row = token_array[i, : num_tokens[i]].tolist()
+        stopped = bool(row) and row[-1] in req.stop_table[i]
         token_ids.append(row)
         reasons.append("stop" if stopped else "length")
         body = row[:-1] if stopped else row
@@ -410,17 +678,17 @@ def generate(
         n = int(counters.steps[i])
         row_stats.append(RowStats(steps=n, drafted=int(counters.drafted[i]), accepted=int(counters.accepted[i]),
                                   generated=len(row), committed_per_step=tuple(counters.committed[i, :n].tolist()),
-                                  decode_s=t2 - t1))
+                                  decode_s=decode_s))
     stats = GenerateStats(
-        prompt_tokens=sum(prompt_lens), generated_tokens=sum(len(r) for r in token_ids), steps=int(steps),
-        prefill_s=t1 - t0, decode_s=t2 - t1, num_rows=batch, drafted=int(counters.drafted.sum()),
+        prompt_tokens=int(prompt_lens.sum()), generated_tokens=sum(len(r) for r in token_ids), steps=int(steps),
+        prefill_s=prefill_s, decode_s=decode_s, num_rows=len(req.ids), drafted=int(counters.drafted.sum()),
         accepted=int(counters.accepted.sum()), drafted_per_position=tuple(counters.drafted_at.sum(0).tolist()),
         accepted_per_position=tuple(counters.accepted_at.sum(0).tolist()), row_steps=int(counters.steps.sum()),
         rows=tuple(row_stats))
     row_logprobs = None
     if buffer is not None:
         row_logprobs = [to_host(row, *(x[i, prompt_lens[i]: history_len[i]] for x in
-                                       (buffer.token, buffer.top_ids, buffer.top)), logprobs)
+                                       (buffer.token, buffer.top_ids, buffer.top)), req.logprobs)
                         for i, row in enumerate(token_ids)]
     return GenerateResult(token_ids=token_ids, text=texts, finish_reason=reasons, stats=stats,
-                          logprobs=row_logprobs)
+                          logprobs=row_logprobs, token_array=token_array, num_tokens=num_tokens)

@@ -8,8 +8,11 @@ target distribution, and the random streams are in docs/concepts/losslessness.md
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import SamplingParams
 from .sampling import argmax, is_greedy, process_logits
@@ -31,6 +34,71 @@ def _emit(draft_tokens: jax.Array, n: jax.Array, last: jax.Array) -> tuple[jax.A
     return tokens.astype(jnp.int32), (n + 1).astype(jnp.int32)
 
 
+def _shape_dtype(x) -> tuple[tuple[int, ...], object]:
+    """(shape, dtype) of an array, a tracer or anything numpy converts; static, so it works under jit and vmap."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        x = np.asarray(x)
+    return tuple(x.shape), x.dtype
+
+
+_KIND_NAMES = {jnp.integer: "integers", jnp.floating: "floats"}
+
+
+def _is_kind(dtype, kind) -> bool:
+    """Whether `dtype` is a sub-dtype of `kind` (jnp.integer, jnp.floating); False for key dtypes."""
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and jnp.issubdtype(dtype, kind)
+
+
+def _check_keys(keys, batch: int) -> None:
+    """keys: key[B] typed keys (jax.random.key) or uint32[B, 2] raw keys (jax.random.PRNGKey); else ValueError."""
+    shape, dtype = _shape_dtype(keys)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if shape != (batch,):
+            raise ValueError(f"keys has shape {shape}; expected one typed key per row, shape ({batch},)")
+        return
+    if dtype != jnp.uint32 or len(shape) != 2 or shape[0] != batch:
+        raise ValueError(f"keys has shape {shape} and dtype {dtype}; expected one key per row: typed keys "
+                         f"key[{batch}] (jax.random.key) or raw keys uint32[{batch}, 2] (jax.random.PRNGKey)")
+
+
+def _check_sampling(sampling, batch: int) -> None:
+    """Each SamplingParams field a scalar or one value per row [B]; else ValueError naming the field."""
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling={sampling!r} must be a jaxspec.SamplingParams")
+    for field in dataclasses.fields(sampling):
+        shape, _ = _shape_dtype(getattr(sampling, field.name))
+        if shape not in ((), (batch,)):
+            raise ValueError(f"sampling.{field.name} has shape {shape}; expected a scalar or ({batch},), "
+                             "one value per row")
+
+
+def check_inputs(keys, target_logits, draft_tokens, draft_probs, num_draft, sampling, positions=None) -> None:
+    """ValueError naming the first argument of `rejection_sample` whose rank, shape or dtype is wrong.
+
+    Only shapes and dtypes are read, so this works on tracers too (under jit and vmap, at trace time); values
+    (token ids in range, num_draft <= K) are not checked.
+    """
+    logits_shape, logits_dtype = _shape_dtype(target_logits)
+    if len(logits_shape) != 3 or logits_shape[1] < 1 or not _is_kind(logits_dtype, jnp.floating):
+        raise ValueError(f"target_logits has shape {logits_shape} and dtype {logits_dtype}; expected floats "
+                         "[B, K+1, V]")
+    batch, width, vocab = logits_shape
+    k = width - 1
+    expected = {"draft_tokens": ((batch, k), jnp.integer), "num_draft": ((batch,), jnp.integer)}
+    if draft_probs is not None:
+        expected["draft_probs"] = ((batch, k, vocab), jnp.floating)
+    if positions is not None:
+        expected["positions"] = ((batch,), jnp.integer)
+    given = dict(draft_tokens=draft_tokens, num_draft=num_draft, draft_probs=draft_probs, positions=positions)
+    for name, (want, kind) in expected.items():
+        shape, dtype = _shape_dtype(given[name])
+        if shape != want or not _is_kind(dtype, kind):
+            raise ValueError(f"{name} has shape {shape} and dtype {dtype}; expected {_KIND_NAMES[kind]} {want} "
+                             f"(B={batch}, K={k}, V={vocab} from target_logits {logits_shape} = [B, K+1, V])")
+    _check_keys(keys, batch)
+    _check_sampling(sampling, batch)
+
+
 def rejection_sample(keys: jax.Array, target_logits: jax.Array, draft_tokens: jax.Array,
                      draft_probs: jax.Array | None, num_draft: jax.Array, sampling: SamplingParams, *,
                      positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -41,7 +109,8 @@ def rejection_sample(keys: jax.Array, target_logits: jax.Array, draft_tokens: ja
     docs/concepts/losslessness.md.
 
     Args:
-      keys: key[B], one base key per row (plain decoding's `jax.random.key(seed)`).
+      keys: key[B] typed keys, one base key per row (plain decoding's `jax.random.key(seed)`), or the same
+        as raw uint32[B, 2] keys (`jax.random.PRNGKey(seed)`).
       target_logits: f32[B, K+1, V] raw target logits; position j judges draft j, position K gives the bonus.
       draft_tokens: i32[B, K]; entries at j >= num_draft are ignored.
       draft_probs: f32[B, K, V] the draft's (processed) distributions, or None for deterministic drafts.
@@ -51,7 +120,12 @@ def rejection_sample(keys: jax.Array, target_logits: jax.Array, draft_tokens: ja
 
     Returns:
       (output tokens i32[B, K+1] padded with -1, their count i32[B] in [1, num_draft + 1]).
+
+    Raises:
+      ValueError: naming the argument whose rank, shape or dtype does not fit the others (`check_inputs`).
+        Only shapes are checked (at trace time under jit and vmap), never values.
     """
+    check_inputs(keys, target_logits, draft_tokens, draft_probs, num_draft, sampling, positions)
     batch, width, vocab = target_logits.shape  # width = K + 1
     k = width - 1
     draft_tokens = draft_tokens.astype(jnp.int32)

@@ -68,7 +68,14 @@ class Committed:
 
 
 class Proposer(Protocol):
-    """The contract every proposer follows: static settings on the object, three pure jittable functions."""
+    """The contract every proposer follows: static settings on the object, three pure jittable functions.
+
+    A custom proposer (`SpecConfig(method="custom", proposer=...)`) is checked at the boundary: `SpecConfig`
+    raises ValueError when it lacks init/propose/update or is not hashable (make it a frozen dataclass), and
+    `jaxspec.prepare` / `generate` trace `propose` once (`jax.eval_shape`) and raise ValueError naming any Draft
+    field of the wrong shape: tokens [B, K] int, num_draft [B] int, probs None or [B, K, V], parents None or
+    [B, K].
+    """
 
     num_speculative_tokens: int  # K, the static draft budget per step (tree proposers: non-root nodes)
     # Optional static attributes, read with getattr: `needs_features` (bool) asks the loop for the target's
