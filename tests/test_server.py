@@ -112,14 +112,20 @@ def _metrics(url: str) -> dict[str, float]:
     return values
 
 
-def _wait_idle(url: str, timeout: float = 120) -> dict[str, float]:
+def wait_for_idle(read_metrics, timeout: float, poll_s: float) -> dict[str, float]:
+    """The metrics `read_metrics()` returns once no request runs or waits (a cancelled row is retired at the
+    engine's next visit); fails after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        m = _metrics(url)
+        m = read_metrics()
         if m["jaxspec_requests_running"] == 0 and m["jaxspec_requests_waiting"] == 0:
             return m
-        assert time.monotonic() < deadline, f"rows still busy: {m['jaxspec_requests_running']} running"
-        time.sleep(0.5)
+        assert time.monotonic() < deadline, f"requests still running after {timeout} s: {m}"
+        time.sleep(poll_s)
+
+
+def _wait_idle(url: str, timeout: float = 120) -> dict[str, float]:
+    return wait_for_idle(lambda: _metrics(url), timeout, 0.5)
 
 
 def test_models_and_health(server, client):

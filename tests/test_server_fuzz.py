@@ -30,7 +30,6 @@ import json
 import os
 import random
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -48,6 +47,7 @@ from jaxspec.models.loading import named_model_path
 from jaxspec.models.tokenizer import Tokenizer
 from jaxspec.serving import create_app
 from jaxspec.serving.text import TextStream
+from test_server import wait_for_idle  # the real server test's polling, over the in-process client here
 
 pytestmark = pytest.mark.real_model  # the real tokenizer comes from the SmolLM2 GGUF
 
@@ -139,14 +139,8 @@ def metrics(client) -> dict[str, float]:
 
 
 def wait_idle(client, timeout: float = 60.0) -> dict[str, float]:
-    """/metrics once no request runs or waits (a cancelled row is retired at the engine's next visit)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(client)
-        if m["jaxspec_requests_running"] == 0 and m["jaxspec_requests_waiting"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"requests still running after {timeout} s: {m}"
-        time.sleep(0.05)
+    """/metrics once no request runs or waits."""
+    return wait_for_idle(lambda: metrics(client), timeout, 0.05)
 
 
 def assert_healthy_and_unchanged(srv: Server) -> None:
