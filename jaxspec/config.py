@@ -52,8 +52,21 @@ _FIELDS = {
 _USER_TYPES = (numbers.Number, str, bytes, type(None), list, tuple, dict, set, frozenset, np.ndarray, np.generic)
 
 
-def _fail(name: str, value, why: str = "") -> ValueError:
-    return ValueError(f"{name}={value!r} must be {_FIELDS[name].allowed()}{why}")
+class InvalidSetting(ValueError):
+    """A SamplingParams value out of its field's range or of the wrong type; `field` names the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def is_integer(x) -> bool:
+    """A Python or numpy integer, not a bool (True as a count, id or rank is always a bug)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _fail(name: str, value, why: str = "") -> InvalidSetting:
+    return InvalidSetting(name, f"{name}={value!r} must be {_FIELDS[name].allowed()}{why}")
 
 
 def _is_unchecked(value) -> bool:
@@ -108,7 +121,12 @@ def _checked(name: str, value) -> np.ndarray:
     field = _FIELDS[name]
     if not _in_range(field, arr):
         raise _fail(name, value)
-    return np.asarray(arr.tolist() if arr.dtype == object else arr).astype(field.dtype)
+    stored = np.asarray(arr.tolist() if arr.dtype == object else arr).astype(field.dtype)
+    if field.low_open:
+        # A value above the open end that rounds onto it in the row dtype (top_p=1e-50 is 0.0 in float32)
+        # keeps its meaning as the dtype's smallest normal value (for top_p: the likeliest token alone).
+        stored = np.maximum(stored, np.finfo(field.dtype).tiny).astype(field.dtype)
+    return stored
 
 
 @flax.struct.dataclass

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import SamplingParams, SpecConfig
+from .config import InvalidSetting, SamplingParams, SpecConfig, is_integer
 from .decode import DecodeState, RowLimits, SpecCounters, decode_chunk, prefill
 from .generation import _next_pow2, build_proposer, default_attention_impl
 from .logprobs import TokenLogprob, to_host, window
@@ -50,13 +50,6 @@ HEAD_METHODS_SERVED = ("medusa", "eagle", "eagle2")  # trained heads: one of the
 _MAX_STOP_IDS = 8
 _PROMPT_BUCKET_MIN = 16
 _MAX_CONSECUTIVE_FAILURES = 3  # chunks failing in a row before the engine gives up (a broken device, not a request)
-# The dtype each sampling setting has in the batch's arrays (`SamplingParams.stack`).
-_SAMPLING_DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
-                    "seed": np.uint32}
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 class InvalidRequest(ValueError):
@@ -300,7 +293,7 @@ class Engine:
         if n == 0:
             raise InvalidRequest("prompt_ids", "prompt is empty: at least one token is needed")
         vocab = self.lm.config.vocab_size
-        if not all(_is_int(t) for t in request.prompt_ids):
+        if not all(is_integer(t) for t in request.prompt_ids):
             raise InvalidRequest("prompt_ids", "prompt_ids must be integers")
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -332,7 +325,7 @@ class Engine:
         if len(stops) > _MAX_STOP_IDS:
             raise InvalidRequest("stop_token_ids", f"stop_token_ids has {len(request.stop_token_ids)} ids; at most "
                              f"{_MAX_STOP_IDS - len(self.eos_ids)} are allowed")
-        if not all(_is_int(t) for t in request.stop_token_ids):
+        if not all(is_integer(t) for t in request.stop_token_ids):
             raise InvalidRequest("stop_token_ids", "stop_token_ids must be integers")
         bad = [t for t in request.stop_token_ids if not 0 <= t < vocab]
         if bad:
@@ -340,20 +333,16 @@ class Engine:
 
     @staticmethod
     def _check_sampling(sampling: SamplingParams) -> None:
-        """Each setting must become one row of the batch's arrays (`SamplingParams.stack`) as a valid value: a
-        value that failed there would fail on the engine thread, for every row (a top_p of 1e-50 is > 0 but
-        0.0 in float32)."""
+        """The settings must stack into a row of the batch's arrays: the engine thread stacks every row each
+        chunk, so a value that failed there would fail the whole batch."""
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest("sampling", f"sampling={sampling!r} must be a jaxspec.SamplingParams")
-        for name, dtype in _SAMPLING_DTYPES.items():
-            value = getattr(sampling, name)
-            try:
-                row = np.asarray(value, dtype)  # as `SamplingParams.stack` converts it
-                if row.ndim != 0 or (np.issubdtype(dtype, np.integer) and int(row) != value):
-                    raise ValueError(f"{name}={value!r} does not fit {np.dtype(dtype).name}")
-                SamplingParams(**{name: row[()]})  # the stored value must pass the same checks
-            except (TypeError, ValueError, OverflowError) as e:
-                raise InvalidRequest(f"sampling.{name}", f"{name}={value!r} is not a usable setting: {e}") from None
+        try:
+            SamplingParams.stack([sampling])
+        except InvalidSetting as e:
+            raise InvalidRequest(f"sampling.{e.field}", str(e)) from None
+        except ValueError as e:
+            raise InvalidRequest("sampling", str(e)) from None
 
     # ------------------------------------------------------------------ public API
 

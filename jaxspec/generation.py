@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import HEAD_METHODS, SamplingParams, SpecConfig, _short_repr
+from .config import HEAD_METHODS, SamplingParams, SpecConfig, _short_repr, is_integer
 from .decode import NoProposer, RowLimits, decode, prefill, propose_once
 from .logprobs import TokenLogprob, to_host
 from .models.heads import Readout, load_head, named_head_path
@@ -130,16 +130,11 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def _is_int(x) -> bool:
-    """A Python or numpy integer, not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def _is_token_list(x) -> bool:
     """A list, tuple or 1-D integer array of token ids (possibly empty): one prompt, not a batch."""
     if isinstance(x, np.ndarray):
         return x.ndim == 1 and x.dtype.kind in "iu"
-    return isinstance(x, (list, tuple)) and all(_is_int(t) for t in x)
+    return isinstance(x, (list, tuple)) and all(is_integer(t) for t in x)
 
 
 def _encode(lm: LanguageModel, i: int, text: str) -> list[int]:
@@ -268,14 +263,14 @@ def _row_sampling(sampling, batch: int) -> SamplingParams:
 
 def _check_scalars(lm: LanguageModel, *, max_new_tokens, logprobs, ignore_eos, max_cache_len) -> None:
     """ValueError naming the first bad scalar argument of `generate`."""
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= lm.config.vocab_size):
+    if logprobs is not None and (not is_integer(logprobs) or not 0 <= logprobs <= lm.config.vocab_size):
         raise ValueError(f"logprobs={logprobs!r} must be None or an integer in [0, {lm.config.vocab_size}]")
     if not isinstance(ignore_eos, (bool, np.bool_)):
         raise ValueError(f"ignore_eos={ignore_eos!r} must be True or False")
     context = lm.config.max_position_embeddings
-    if max_cache_len is not None and (not _is_int(max_cache_len) or not 1 <= max_cache_len <= context):
+    if max_cache_len is not None and (not is_integer(max_cache_len) or not 1 <= max_cache_len <= context):
         raise ValueError(f"max_cache_len={max_cache_len!r} must be None or an integer in [1, {context}] "
                          f"(the context length of {lm.name!r})")
 
@@ -383,7 +378,7 @@ def _rng_key(rng) -> jax.Array:
         return rng
     if is_array and rng.ndim == 0 and rng.dtype.kind in "iu":
         rng = int(rng)  # a 0-d integer array: the integer it holds
-    if _is_int(rng) and 0 <= rng <= _SEED_LIMIT:
+    if is_integer(rng) and 0 <= rng <= _SEED_LIMIT:
         return jax.random.key(int(rng))
     if is_array and rng.dtype == np.uint32 and rng.ndim == 1:
         try:
@@ -501,9 +496,11 @@ def _new_tokens(history: np.ndarray, history_len: np.ndarray, prompt_lens: np.nd
     return tokens.astype(np.int32), counts
 
 
-def _first_draft(graphdef, proposer, cache_len: int, buffer_len: int, params, prompts, prompt_lens, sampling,
-                 limits, proposer_params):
-    """What the proposer returns at the first decode step (for `jax.eval_shape`: shapes only)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len"))
+def _first_draft(params, prompts, prompt_lens, sampling, limits, proposer_params, *, graphdef, proposer,
+                 cache_len: int, buffer_len: int):
+    """What the proposer returns at the first decode step. Only its shapes are taken (`.eval_shape`): jit
+    caches the trace, so a repeated call with the same shapes and proposer traces nothing."""
     state = prefill(graphdef, params, prompts, prompt_lens, sampling, limits, proposer_params, proposer=proposer,
                     cache_len=cache_len, buffer_len=buffer_len)
     return propose_once(proposer, proposer_params, state, sampling, limits)
@@ -528,8 +525,9 @@ def check_draft_shapes(lm: LanguageModel, prepared: "Prepared") -> None:
     probs None or [B, K, V] float, parents None or [B, K] int."""
     p = prepared
     proposer = p.proposer
-    run = functools.partial(_first_draft, lm.graphdef, proposer, p.cache_len, p.buffer_len)
-    out = jax.eval_shape(run, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params)
+    out = _first_draft.eval_shape(lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
+                                  graphdef=lm.graphdef, proposer=proposer, cache_len=p.cache_len,
+                                  buffer_len=p.buffer_len)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Draft)):
         raise ValueError(f"proposer {_short_repr(proposer)}: propose must return (Draft, state); got {out!r}")
     draft = out[0]
@@ -588,7 +586,7 @@ def prepare(
     Returns a `Prepared`: padded prompts, per-row sampling, limits, the proposer and its params, the static
     sizes; its docstring shows the loop `generate` runs with it.
     """
-    if _is_int(max_new_tokens) and max_new_tokens == 0:
+    if is_integer(max_new_tokens) and max_new_tokens == 0:
         raise ValueError("max_new_tokens=0 must be >= 1 for prepare: prefill always samples one token")
     req = _request(lm, prompts, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling,
                    stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_cache_len=max_cache_len,

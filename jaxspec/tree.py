@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import numbers
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import SamplingParams
+from .config import SamplingParams, is_integer
 from .rejection import _ACCEPT_STREAM
 from .sampling import argmax, is_greedy, process_logits
 
@@ -43,11 +42,6 @@ __all__ = [
 def _check_rank(name: str, x, rank: int, layout: str) -> None:
     if x.ndim != rank:
         raise ValueError(f"{name} must be rank {rank} {layout}, got {name}.shape={x.shape}")
-
-
-def _is_int(x) -> bool:
-    # bool is an int subclass; True as a node index or rank is always a bug.
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +123,7 @@ class TreeTopology:
     def __post_init__(self):
         parents = tuple(self.parents)
         for i, p in enumerate(parents):
-            if not _is_int(p) or not 0 <= p <= i:
+            if not is_integer(p) or not 0 <= p <= i:
                 raise ValueError(f"parents[{i}]={p!r} must be an integer in [0, {i}] (a parent precedes its child)")
         parents = tuple(int(p) for p in parents)
         object.__setattr__(self, "parents", parents)
@@ -144,7 +138,7 @@ class TreeTopology:
         rank = tuple(self.child_rank)
         if len(rank) != len(parents):
             raise ValueError(f"child_rank has {len(rank)} entries, parents {len(parents)}: need one per node")
-        if not all(_is_int(r) and r >= 0 for r in rank):
+        if not all(is_integer(r) and r >= 0 for r in rank):
             raise ValueError(f"child_rank={rank!r} must hold integers >= 0")
         if len(set(zip(parents, rank))) != len(parents):
             raise ValueError(f"child_rank={rank!r} repeats a rank among siblings (parents={parents!r})")
@@ -179,7 +173,7 @@ class TreeTopology:
     @classmethod
     def chain(cls, k: int) -> "TreeTopology":
         """K nodes in a line: each the rank-0 child of the previous one."""
-        if not _is_int(k) or k < 0:
+        if not is_integer(k) or k < 0:
             raise ValueError(f"k={k!r} must be an integer >= 0")
         return cls(parents=tuple(range(k)))
 
@@ -191,7 +185,7 @@ class TreeTopology:
         normal = []
         for path in paths:
             path = tuple(path)
-            if not path or not all(_is_int(r) and r >= 0 for r in path):
+            if not path or not all(is_integer(r) and r >= 0 for r in path):
                 raise ValueError(f"path {path!r} must be a non-empty tuple of ranks >= 0")
             normal.append(tuple(int(r) for r in path))
         if len(set(normal)) != len(normal):
@@ -225,7 +219,7 @@ class TreeTopology:
             raise ValueError(f"rank_probs={rank_probs!r} must hold probabilities in [0, 1]")
         depth, k = len(table), len(table[0])
         total = sum(k ** d for d in range(1, depth + 1))
-        if not _is_int(budget) or not 0 <= budget <= total:
+        if not is_integer(budget) or not 0 <= budget <= total:
             raise ValueError(f"budget={budget!r} must be an integer in [0, {total}] (every path of a "
                              f"depth-{depth}, top-{k} tree)")
         # Heap entries (-probability, depth, path): popped most likely first, then shallower, then by path.
@@ -249,9 +243,9 @@ class TreeTopology:
         look further ahead, and lower-ranked candidates less likely roughly in proportion to 1 / rank. Only
         the ordering it induces matters; measured accuracies (`rank_probs` saved by training) replace it.
         """
-        if not _is_int(depth) or depth < 1:
+        if not is_integer(depth) or depth < 1:
             raise ValueError(f"depth={depth!r} must be an integer >= 1")
-        if not _is_int(top_k) or top_k < 1:
+        if not is_integer(top_k) or top_k < 1:
             raise ValueError(f"top_k={top_k!r} must be an integer >= 1")
         prior = [[0.6 ** (d + 1) / (r + 1) for r in range(top_k)] for d in range(depth)]
         return cls.best_first(prior, budget)
@@ -307,7 +301,7 @@ def select_nodes(scores: jax.Array, parents: jax.Array, tokens: jax.Array,
     if parents.shape != scores.shape or tokens.shape != scores.shape:
         raise ValueError(f"{scores.shape=}, {parents.shape=} and {tokens.shape=} must be equal [B, M]")
     batch, num = scores.shape
-    if not _is_int(budget) or not 0 <= budget <= num:
+    if not is_integer(budget) or not 0 <= budget <= num:
         raise ValueError(f"budget={budget!r} must be an integer in [0, {num}] (the candidates per row)")
     parents = parents.astype(jnp.int32)
     scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores.astype(jnp.float32))
@@ -477,7 +471,7 @@ def _check_verify_inputs(keys, target_logits, tokens, parents, node_valid, draft
         raise ValueError(f"keys must hold one key per row, B={batch}, got {keys.shape=}")
     if positions is not None and positions.shape != (batch,):
         raise ValueError(f"positions must have shape [B]=({batch},), got {positions.shape=}")
-    if not _is_int(max_depth) or not 0 <= max_depth <= width - 1:
+    if not is_integer(max_depth) or not 0 <= max_depth <= width - 1:
         raise ValueError(f"max_depth={max_depth!r} must be a static integer in [0, K={width - 1}]")
 
 

@@ -214,6 +214,18 @@ def test_top_k_one_is_greedy_at_any_temperature_in_a_mixed_batch(tiny_lm, spec):
         assert out.stats.drafted > 0
 
 
+def test_a_top_p_below_float32_resolution_keeps_the_likeliest_token(tiny_lm):
+    """top_p=1e-50 is inside (0, 1] but 0.0 in float32: it is stored as float32's smallest normal value, so
+    it stacks without error and samples the argmax, as any top_p below the top token's probability does."""
+    rows = SamplingParams.stack([SamplingParams(temperature=1.0, top_p=1e-50)])
+    assert 0 < float(rows.top_p[0]) <= np.finfo(np.float32).tiny
+    prompts = [PROMPTS[0]] * 4
+    greedy = jaxspec.generate(tiny_lm, prompts, max_new_tokens=NEW, ignore_eos=True).token_ids
+    sampling = [SamplingParams(temperature=1.0, top_p=1e-50, seed=s) for s in range(4)]
+    out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=NEW, sampling=sampling, ignore_eos=True)
+    assert out.token_ids == greedy
+
+
 def test_top_k_three_negative_control_samples_several_tokens_of_the_top_three(tiny_lm):
     num = 64
     sampling = [SamplingParams(temperature=1.0, top_k=3, seed=s) for s in range(num)]

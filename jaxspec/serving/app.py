@@ -17,7 +17,6 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
-import numpy as np
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,7 +32,6 @@ from .text import TextStream
 
 DEFAULT_MAX_BODY_BYTES = 2 << 20  # 2 MiB: a full 2048-token context is ~10 kB of text
 _OFF_LOOP_BYTES = 64 << 10  # parse and tokenize bodies larger than this in a worker thread
-_F32_TINY = float(np.finfo(np.float32).tiny)
 
 # The HTTP field behind each engine `Request` field an InvalidRequest names ("prompt_ids": the request's
 # prompt or messages, filled in per endpoint).
@@ -207,9 +205,7 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
             max_tokens = max(engine.config.max_context - len(prompt_ids), 1)
         requests = []
         for i in range(body.n):
-            # A top_p above 0 but below float32's smallest normal number still means "the likeliest token".
-            sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0),
-                                      top_p=max(body.top_p, _F32_TINY),
+            sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
                                       min_p=body.min_p, seed=(seed + i) % (1 << 32))
             requests.append(Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
