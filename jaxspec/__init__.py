@@ -15,6 +15,7 @@ from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_mod
 from .proposers import StaticSuffixAutomaton
 from .rejection import rejection_sample
 from .sampling import process_logits, processed_probs, sample
+from .target import TargetModel, check_target
 from .tree import TreeTopology, verify_tree
 
 __all__ = [
@@ -31,8 +32,10 @@ __all__ = [
     "SamplingParams",
     "SpecConfig",
     "StaticSuffixAutomaton",
+    "TargetModel",
     "TokenLogprob",
     "TreeTopology",
+    "check_target",
     "decode",
     "decode_chunk",
     "generate",

@@ -197,32 +197,7 @@ class SamplingParams:
         return jnp.asarray(np.broadcast_to(arr, (batch,)))
 
 
-SpecMethod = Literal["none", "ngram", "sam", "draft_model", "self_draft", "medusa", "eagle", "eagle2", "custom"]
-SPEC_METHODS = ("none", "ngram", "sam", "draft_model", "self_draft", "medusa", "eagle", "eagle2", "custom")
-HEAD_METHODS = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle"}  # method -> the trained head it runs
 SamSource = Literal["dynamic", "static", "both"]
-
-# Settings a method gets when the caller leaves them unset (None). The `sam` default is adaptive, tuned for
-# batch 1 on CPU from the measured verify cost c(T) (docs/BENCHMARKS.md): scoring T new tokens costs c(T)
-# plain steps, so a draft pays only when its expected accepted run beats c(T) - 1, and the matched suffix
-# length predicts the run. Nothing is drafted below `min_match` tokens, at most `draft_per_match` x the
-# match length above it, and each step runs the narrowest verify width holding the batch's longest draft.
-# Widths 2-8 are left out on purpose: at batch 1 XLA:CPU runs a forward over 2-5 new tokens at 3-4x the cost
-# of one token but over 9 tokens at ~1.3x (measured, docs/BENCHMARKS.md), so K = 8 and 16 are the cheap ones.
-METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "none": dict(num_speculative_tokens=0, min_match=1, draft_per_match=math.inf, verify_widths=(1,)),
-    "ngram": dict(num_speculative_tokens=8, min_match=2, draft_per_match=math.inf),
-    "sam": dict(num_speculative_tokens=16, min_match=4, draft_per_match=1.0, verify_widths=(1, 9, 17)),
-    "draft_model": dict(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf),
-    "self_draft": dict(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf),
-    # Trained heads. K counts drafted tokens (eagle, a chain) or tree nodes (medusa, eagle2); 7 and 15 make
-    # verify widths 8 and 16, which XLA:CPU runs at 1.5-1.8 plain steps at batch 1 (docs/BENCHMARKS.md).
-    "medusa": dict(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf, verify_widths=(1, 16)),
-    "eagle": dict(num_speculative_tokens=7, min_match=1, draft_per_match=math.inf, verify_widths=(1, 8)),
-    "eagle2": dict(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf, verify_widths=(1, 16),
-                   tree_depth=6, tree_top_k=4),
-    "custom": dict(min_match=1, draft_per_match=math.inf),
-}
 
 
 def _short_repr(value, limit: int = 160) -> str:
@@ -232,7 +207,8 @@ def _short_repr(value, limit: int = 160) -> str:
 
 
 def check_custom_proposer(proposer) -> None:
-    """ValueError unless `proposer` can serve method "custom": it has init, propose and update, and is hashable.
+    """ValueError unless `proposer` can serve method "custom": it has init, propose and update, declares
+    needs_features and max_depth, and is hashable.
 
     The proposer is a static argument of the jitted loop (part of the compiled program's identity), so it must
     hash; arrays belong in `proposer_params`. Its output shapes are checked later, when `jaxspec.prepare` (or
@@ -252,18 +228,30 @@ def check_custom_proposer(proposer) -> None:
                          "static argument of the jitted loop, so it must be a frozen dataclass "
                          "(@dataclasses.dataclass(frozen=True)) or otherwise hashable; pass arrays as "
                          "proposer_params") from e
+    undeclared = [name for name in ("needs_features", "max_depth") if not hasattr(proposer, name)]
+    if undeclared:
+        raise ValueError(f"proposer={_short_repr(proposer)} does not declare {', '.join(undeclared)}: a Proposer "
+                         "says whether it reads the target's hidden states (needs_features: bool) and the most "
+                         "drafts one step can accept (max_depth: int, K for a chain); a chain proposer can inherit "
+                         "jaxspec.proposers.base.ChainProposer")
+    k = getattr(proposer, "num_speculative_tokens", None)
+    if not isinstance(proposer.needs_features, (bool, np.bool_)):
+        raise ValueError(f"proposer.needs_features={proposer.needs_features!r} must be True or False")
+    if not is_integer(proposer.max_depth) or (is_integer(k) and not 0 <= proposer.max_depth <= k):
+        raise ValueError(f"proposer.max_depth={proposer.max_depth!r} must be an integer in [0, "
+                         f"num_speculative_tokens={k!r}]")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """How to speculate: static settings, part of the compiled program's identity.
 
-    Unset (None) settings take the method's defaults (METHOD_DEFAULTS); `SpecConfig(method="sam")` is the
+    Unset (None) settings take the method's defaults (`jaxspec.methods.METHODS`); `SpecConfig(method="sam")` is the
     adaptive suffix-automaton setting. Data a method needs (a draft model, a static suffix automaton) rides
     along in fields excluded from hashing and comparison; `generate` passes it to the device as jit arguments.
     """
 
-    method: SpecMethod = "none"
+    method: str = "none"  # a name in jaxspec.methods.METHODS
     num_speculative_tokens: int | None = None  # K: the most drafts per row and step
     # Lookup proposers (ngram, sam): propose nothing below this matched length, and at most
     # ceil(draft_per_match * match length) tokens (SuffixDecoding's alpha); math.inf means no cap.
@@ -275,6 +263,10 @@ class SpecConfig:
     # the longest draft in the batch, so a step where no row drafts costs one plain decode step.
     # Default (1, K + 1); (K + 1,) always verifies at full width. Each width compiles its own forward.
     verify_widths: tuple[int, ...] | None = None
+    # Chains: choose each step's verify width from the measured cost of each width and each row's running
+    # acceptance (jaxspec.cost), instead of the narrowest width holding the longest draft. Measured once per
+    # shape and cached on disk.
+    cost_aware: bool = False
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
     # medusa / eagle / eagle2: the trained head's file (jaxspec.models.heads.save_head); None takes the head
     # shipped for the model (models/weights/<model>.<kind>.safetensors).
@@ -284,6 +276,12 @@ class SpecConfig:
     # up to tree_top_k candidates per node (`TreeTopology.default`).
     tree_depth: int | None = None
     tree_top_k: int | None = None
+    # medusa / eagle / eagle2: the head scores only the N most frequent target tokens (FR-Spec), the first N of
+    # a frequency ranking (models/weights/<model>.draft_vocab.json, or <head>.draft_vocab.json beside your own
+    # head), so a drafting pass skips most of the LM head; drafts map back to target ids and verification stays
+    # lossless. An integer in [1, vocab_size] (the vocabulary size means all of it); unset takes the method's
+    # default for its shipped head, and a head_path of your own drafts over the full vocabulary unless set.
+    draft_vocab: int | None = None
     draft_model: Any = dataclasses.field(default=None, compare=False, repr=False)  # a LanguageModel
     static_sam: Any = dataclasses.field(default=None, compare=False, repr=False)  # a StaticSuffixAutomaton
     # method "custom": any object following the jaxspec.proposers.base.Proposer protocol (frozen, hashable; its
@@ -292,15 +290,17 @@ class SpecConfig:
     proposer_params: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"method={self.method!r} must be one of {SPEC_METHODS}")
+        from .methods import get  # the registry builds proposers, whose modules import this one
+
+        defaults = dict(get(self.method).defaults)
         if self.method == "custom":
             check_custom_proposer(self.proposer)
-        defaults = dict(METHOD_DEFAULTS[self.method])
         if self.method == "custom":
             defaults["num_speculative_tokens"] = getattr(self.proposer, "num_speculative_tokens", None)
         if self.num_speculative_tokens is not None:
             defaults.pop("verify_widths", None)  # the method's widths belong to its own K
+        if self.head_path is not None:
+            defaults.pop("draft_vocab", None)  # the method's draft vocabulary was measured with its shipped heads
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -338,8 +338,16 @@ class SpecConfig:
             if k > drafted:
                 raise ValueError(f"num_speculative_tokens={k} exceeds the {drafted} nodes a tree of tree_depth="
                                  f"{self.tree_depth}, tree_top_k={self.tree_top_k} drafts")
+        if self.draft_vocab is not None:
+            if not is_integer(self.draft_vocab) or self.draft_vocab < 1:
+                raise ValueError(f"draft_vocab={self.draft_vocab!r} must be None or an integer in [1, vocab_size]")
+            if get(self.method).kind != "head":
+                raise ValueError(f"draft_vocab={self.draft_vocab!r} applies to the trained heads (medusa, eagle, "
+                                 f"eagle2), not method={self.method!r}")
         if self.head_path is not None and not isinstance(self.head_path, (str, os.PathLike)):
             raise ValueError(f"head_path={self.head_path!r} must be a path")
+        if not isinstance(self.cost_aware, (bool, np.bool_)):
+            raise ValueError(f"cost_aware={self.cost_aware!r} must be True or False")
         if self.self_draft_layers < 1:
             raise ValueError(f"self_draft_layers={self.self_draft_layers!r} must be >= 1")
         widths = tuple(self.verify_widths)

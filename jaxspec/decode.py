@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from . import cost
 from . import logprobs as lp
 from .cache import KVCache
 from .config import SamplingParams
-from .proposers.base import Committed, Context, Draft, Proposer
+from .proposers.base import ChainProposer, Committed, Context, Draft, Proposer
 from .rejection import rejection_sample
 from .sampling import row_keys, sample
 from .tree import depths, gather_nodes, gather_path, tree_ancestor_mask, verify_tree
@@ -61,6 +62,32 @@ class SpecCounters:
         return cls(steps=z((batch,)), drafted=z((batch,)), accepted=z((batch,)), drafted_at=z((batch, k)),
                    accepted_at=z((batch, k)), committed=z((batch, buffer_len)))
 
+    def record(self, active: jax.Array, num_draft: jax.Array, draft_depth: jax.Array, accepted: jax.Array,
+               kept: jax.Array) -> "SpecCounters":
+        """The counters after one step: active bool[B] rows drafted num_draft i32[B] tokens (or tree nodes)
+        reaching draft_depth i32[B] positions, and kept i32[B] tokens of which accepted i32[B] were drafts.
+        Per-position counts are by depth: a tree drafts at depth j when one of its scored nodes is that deep."""
+        batch, k = self.drafted_at.shape
+        pos = jnp.arange(k)
+        step_slot = jnp.where(active, self.steps, self.committed.shape[1])  # a finished row's write is dropped
+        return SpecCounters(
+            steps=self.steps + active,
+            drafted=self.drafted + jnp.where(active, num_draft, 0),
+            accepted=self.accepted + accepted,
+            drafted_at=self.drafted_at + (active[:, None] & (pos < draft_depth[:, None])),
+            accepted_at=self.accepted_at + (pos < accepted[:, None]),
+            committed=self.committed.at[jnp.arange(batch), step_slot].set(kept, mode="drop"))
+
+
+def mean_acceptance_length(committed: int, steps: int) -> float:
+    """Tokens committed per active row-step: the one definition every statistic uses (library, engine, /metrics).
+
+    A step commits its accepted drafts and then the target's own token, so plain decoding gives 1.0; a step cut
+    by a stop token or the token budget counts only what it kept. `committed` excludes each row's first token,
+    which prefill made. NaN when there were no steps.
+    """
+    return committed / steps if steps else float("nan")
+
 
 @flax.struct.dataclass
 class DecodeState:
@@ -74,6 +101,9 @@ class DecodeState:
     history: jax.Array  # i32[B, H]  prompt followed by the generated tokens (garbage past history_len)
     history_len: jax.Array  # i32[B]
     prompt_len: jax.Array  # i32[B]
+    # bool[B, H] beside `history`: True where the token was an accepted draft, False where the target produced
+    # it (each step commits a run of accepted drafts, then one token of the target's own)
+    from_draft: jax.Array
     done: jax.Array  # bool[B]
     steps: jax.Array  # i32[]  loop iterations (each one target forward)
     pstate: Any  # the proposer's per-row state
@@ -92,7 +122,7 @@ class DecodeState:
 
 
 @dataclasses.dataclass(frozen=True)
-class NoProposer:
+class NoProposer(ChainProposer):
     """Plain decoding: never drafts (K = 0)."""
 
     num_speculative_tokens: int = 0
@@ -155,44 +185,38 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
                            lambda: lp.score(out.logits, first[:, None], num_top_logprobs))
         logprobs = lp.write(logprobs, prompt_lens[:, None], scored)
     state = DecodeState(cache=cache, history=history, history_len=prompt_lens + 1, prompt_len=prompt_lens,
-                        done=done, steps=jnp.zeros((), jnp.int32), pstate=(),
+                        from_draft=jnp.zeros(history.shape, bool), done=done, steps=jnp.zeros((), jnp.int32), pstate=(),
                         counters=SpecCounters.zeros(batch, proposer.num_speculative_tokens, buffer_len),
                         logprobs=logprobs)
     k = proposer.num_speculative_tokens
     ctx = _context(state, sampling, limits, k)
-    if getattr(proposer, "needs_features", False):
+    if proposer.needs_features:
         ctx = ctx.replace(features=out.hidden)
     return state.replace(pstate=proposer.init(proposer_params, ctx))
 
 
-def _pad_outputs(tokens: jax.Array, features: jax.Array | None, k: int):
-    """Output tokens (and their features) padded from [B, W] to [B, K+1]."""
+@flax.struct.dataclass
+class Verified:
+    """One step's verification, before anything is committed: each row's output tokens (its accepted drafts,
+    then the target's own token) and the cache holding their K/V, its lengths not yet advanced."""
+
+    tokens: jax.Array  # i32[B, K+1]  -1 padded
+    num: jax.Array  # i32[B]  in [1, K+1]
+    cache: KVCache
+    # f32[B, K+1, D]: the target's hidden state at the fed token behind each output (proposers with
+    # needs_features), else None
+    features: jax.Array | None
+    logprobs: lp.Scored | None  # the outputs' log-probabilities, padded to K+1, when a row asked for them
+
+
+def _verified(tokens: jax.Array, num: jax.Array, cache: KVCache, features: jax.Array | None,
+              logprobs: lp.Scored | None, k: int) -> Verified:
+    """A Verified whose outputs (and features) are padded from [B, W] to [B, K+1], so every width agrees."""
     pad = k + 1 - tokens.shape[1]
     tokens = jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=-1)
     if features is not None:
         features = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
-    return tokens, features
-
-
-def _score_and_verify(model, width: int, state: DecodeState, draft: Draft, num_draft: jax.Array,
-                      sampling: SamplingParams, k: int, attention_impl: str, want_features: bool):
-    """One target forward over each row's newest token plus its first `width - 1` drafts, then verification.
-
-    Returns (output tokens i32[B, K+1] padded with -1, their count i32[B], the cache with the new K/V, the
-    target's hidden states at the fed tokens [B, K+1, D] or None, and the outputs' log-probabilities or None).
-    """
-    cache = state.cache
-    fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # [B, width]
-    positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
-    out, cache = model(fed, positions, cache, attention_impl=attention_impl)
-    probs = None if draft.probs is None else draft.probs[:, : width - 1]
-    keys = jax.vmap(jax.random.key)(sampling.seed)
-    # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
-    tokens, num = rejection_sample(keys, out.logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
-                                   positions=cache.lengths + 1)
-    scored = _logprobs_of(state, lambda: out.logits, tokens, k)
-    tokens, features = _pad_outputs(tokens, out.hidden if want_features else None, k)
-    return tokens, num, cache, features, scored
+    return Verified(tokens=tokens, num=num, cache=cache, features=features, logprobs=logprobs)
 
 
 def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, k: int) -> lp.Scored | None:
@@ -204,10 +228,26 @@ def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, k: int) -> lp
     return scored.pad(k + 1)
 
 
-def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: jax.Array,
-                           node_depth: jax.Array, num_nodes: jax.Array, max_draft: jax.Array,
-                           sampling: SamplingParams, k: int, max_depth: int, attention_impl: str,
-                           want_features: bool):
+def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft: jax.Array,
+                 sampling: SamplingParams, k: int, attention_impl: str, want_features: bool) -> Verified:
+    """One target forward over each row's newest token plus its first `width - 1` drafts, then rejection
+    sampling along the chain."""
+    cache = state.cache
+    fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # i32[B, width]
+    positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
+    out, cache = model(fed, positions, cache, attention_impl=attention_impl)
+    probs = None if draft.probs is None else draft.probs[:, : width - 1]
+    keys = jax.vmap(jax.random.key)(sampling.seed)
+    # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
+    tokens, num = rejection_sample(keys, out.logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
+                                   positions=cache.lengths + 1)
+    scored = _logprobs_of(state, lambda: out.logits, tokens, k)
+    return _verified(tokens, num, cache, out.hidden if want_features else None, scored, k)
+
+
+def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: jax.Array, node_depth: jax.Array,
+                num_nodes: jax.Array, max_draft: jax.Array, sampling: SamplingParams, k: int, max_depth: int,
+                attention_impl: str, want_features: bool) -> Verified:
     """The tree version: one forward over the root and the first `width - 1` draft nodes under their ancestor
     mask, verification along the tree, and the accepted path's K/V moved to contiguous slots. A node whose
     token was out of the vocabulary (`in_vocab` bool[B, K] False), or under such a node, is never accepted.
@@ -217,8 +257,8 @@ def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, 
     """
     cache = state.cache
     n = width - 1
-    tokens, parents = draft.tokens[:, :n], draft.parents[:, :n]  # [B, n]
-    fed = jnp.concatenate([state.last_tokens[:, None], tokens], axis=1)  # [B, width]: root, then the nodes
+    tokens, parents = draft.tokens[:, :n], draft.parents[:, :n]  # i32[B, n]
+    fed = jnp.concatenate([state.last_tokens[:, None], tokens], axis=1)  # i32[B, width]: root, then the nodes
     depth = node_depth[:, :width]  # i32[B, width]: a parent precedes its child, so a prefix keeps its depths
     mask = tree_ancestor_mask(parents)  # bool[B, width, width]
     out, cache = model(fed, cache.lengths[:, None] + depth, cache, tree_mask=mask, attention_impl=attention_impl)
@@ -235,8 +275,7 @@ def _score_and_verify_tree(model, width: int, state: DecodeState, draft: Draft, 
     features = gather_nodes(out.hidden, path) if want_features else None
     # Output token j was drawn from the logits of path node j (the root first).
     scored = _logprobs_of(state, lambda: gather_nodes(out.logits, path), out_tokens, k)
-    out_tokens, features = _pad_outputs(out_tokens, features, k)
-    return out_tokens, num, cache, features, scored
+    return _verified(out_tokens, num, cache, features, scored, k)
 
 
 def _replace_out_of_vocab(draft: Draft, vocab: int) -> tuple[Draft, jax.Array]:
@@ -248,16 +287,96 @@ def _replace_out_of_vocab(draft: Draft, vocab: int) -> tuple[Draft, jax.Array]:
     return draft.replace(tokens=jnp.where(in_vocab, tokens, OOV_DRAFT_PLACEHOLDER)), in_vocab
 
 
-def _leading_in_vocab(in_vocab: jax.Array) -> jax.Array:
-    """i32[B] drafts before a chain's first out-of-vocabulary one (bool[B, K])."""
-    return jnp.sum(jnp.cumprod(in_vocab.astype(jnp.int32), axis=1), axis=1)
-
-
 def _path_in_vocab(mask: jax.Array, in_vocab: jax.Array) -> jax.Array:
     """bool[B, n]: node i+1 and all its ancestors hold in-vocabulary tokens, so node validity stays closed under
     ancestors (mask bool[B, n+1, n+1] from tree_ancestor_mask, in_vocab bool[B, n])."""
     ok = jnp.concatenate([jnp.ones_like(in_vocab[:, :1]), in_vocab], axis=1)  # bool[B, n+1], the root is fed
     return jnp.all(~mask | ok[:, None, :], axis=-1)[:, 1:]
+
+
+def _num_draft(draft: Draft, in_vocab: jax.Array, max_draft: jax.Array, k: int) -> jax.Array:
+    """i32[B] drafts to score: a chain's are its depth, cut at the row's max_draft and at its first
+    out-of-vocabulary token; a tree's are nodes, bounded by the node count (out-of-vocabulary ones are marked
+    invalid instead), its depth by max_draft at verification."""
+    proposed = jnp.clip(draft.num_draft, 0, k).astype(jnp.int32)  # i32[B]
+    if draft.parents is not None:
+        return jnp.where(max_draft > 0, proposed, 0)
+    leading_in_vocab = jnp.sum(jnp.cumprod(in_vocab.astype(jnp.int32), axis=1), axis=1)  # i32[B]
+    return jnp.minimum(jnp.minimum(proposed, max_draft), leading_in_vocab)
+
+
+def _draft_depth(num_draft: jax.Array, node_depth: jax.Array | None, max_draft: jax.Array, k: int) -> jax.Array:
+    """i32[B] the deepest draft position scored: a chain's draft count; a tree's deepest scored node, within
+    the row's max_draft."""
+    if node_depth is None:
+        return num_draft
+    scored = jnp.arange(k) < num_draft[:, None]  # bool[B, K]
+    return jnp.minimum(jnp.max(jnp.where(scored, node_depth[:, 1:], 0), axis=1), max_draft)
+
+
+def verify(model, proposer: Proposer, state: DecodeState, draft: Draft, num_draft: jax.Array, in_vocab: jax.Array,
+           node_depth: jax.Array | None, max_draft: jax.Array, sampling: SamplingParams, widths: tuple[int, ...],
+           choice: jax.Array, attention_impl: str) -> Verified:
+    """Score each row's newest token and its first num_draft i32[B] drafts with one target forward at
+    `widths[choice]` (a `lax.switch` over the compiled widths) and verify them losslessly."""
+    k = proposer.num_speculative_tokens
+
+    def branch(width):
+        n = jnp.minimum(num_draft, width - 1)
+        if node_depth is not None:
+            return lambda: _score_tree(model, width, state, draft, in_vocab, node_depth, n, max_draft, sampling, k,
+                                       proposer.max_depth, attention_impl, proposer.needs_features)
+        return lambda: _score_chain(model, width, state, draft, n, sampling, k, attention_impl,
+                                    proposer.needs_features)
+
+    if len(widths) == 1:
+        return branch(widths[0])()
+    return jax.lax.switch(choice, [branch(w) for w in widths])
+
+
+def _width_choice(widths: tuple[int, ...], num_draft: jax.Array, state: DecodeState, is_tree: bool,
+                  verify_cost: jax.Array | None) -> jax.Array:
+    """i32[] index of this step's verify width. By default the narrowest width holding the batch's longest
+    draft, so a step where nobody drafts costs one plain step, not c(K+1) of them; with a measured cost table
+    (chains only) the width maximising expected committed tokens per unit of cost (`jaxspec.cost`)."""
+    if verify_cost is None or is_tree or len(widths) == 1:
+        return cost.narrowest_holding(widths, num_draft)
+    rate = cost.acceptance_rate(state.counters.accepted, state.counters.drafted)  # f32[B]
+    return cost.choose_width(widths, verify_cost, num_draft, rate, ~state.done)
+
+
+def commit(state: DecodeState, verified: Verified, limits: RowLimits) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """Append each active row's output tokens up to and including its first stop token and within its budget,
+    advance its cache over them and mark the rows that finished.
+
+    Returns (the new state, its counters and proposer state untouched; tokens kept i32[B]; accepted drafts
+    among them i32[B]). The newest token joins the cache with every kept token but the last, which becomes
+    the new newest token; a rejected draft's K/V stays past the length, where the next step overwrites it.
+    """
+    batch, k1 = verified.tokens.shape
+    active = ~state.done
+    j = jnp.arange(k1)
+    is_stop = _is_stop(verified.tokens, limits) & (j < verified.num[:, None])  # bool[B, K+1]
+    stop_at = jnp.min(jnp.where(is_stop, j, k1), axis=1)  # i32[B], K+1 where no stop token
+    room = limits.max_new_tokens - state.num_generated
+    keep = jnp.where(active, jnp.minimum(jnp.minimum(verified.num, stop_at + 1), room), 0)  # i32[B]
+    kept = j < keep[:, None]  # bool[B, K+1]
+    # Output token j is an accepted draft for j < accepted; the target's own token follows them (unless a stop
+    # token or the budget cut the run before it).
+    accepted = jnp.where(active, jnp.minimum(verified.num - 1, keep), 0)  # i32[B]
+    rows = jnp.arange(batch)[:, None]
+    slots = jnp.where(kept, state.history_len[:, None] + j, state.history.shape[1])  # out of bounds: dropped
+    history_len = state.history_len + keep
+    finished = jnp.any(is_stop & kept, axis=1) | (history_len - state.prompt_len >= limits.max_new_tokens)
+    new = state.replace(
+        cache=verified.cache.advance(keep),
+        history=state.history.at[rows, slots].set(verified.tokens, mode="drop"),
+        history_len=history_len,
+        from_draft=state.from_draft.at[rows, slots].set(j < accepted[:, None], mode="drop"),
+        done=state.done | (active & finished),
+        steps=state.steps + 1,
+        logprobs=None if verified.logprobs is None else lp.write(state.logprobs, slots, verified.logprobs))
+    return new, keep, accepted
 
 
 def propose_once(proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
@@ -272,85 +391,39 @@ def propose_once(proposer: Proposer, proposer_params, state: DecodeState, sampli
 
 
 def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
-              limits: RowLimits, widths: tuple[int, ...], attention_impl: str = "xla") -> DecodeState:
+              limits: RowLimits, widths: tuple[int, ...], attention_impl: str = "xla",
+              verify_cost: jax.Array | None = None) -> DecodeState:
     """Propose, score, verify, commit: one step for every row (finished rows ride along and commit nothing).
 
     `model` is the merged target module (`lm.module`, or `nnx.merge(lm.graphdef, lm.params)` inside jit);
-    `widths` the verify widths (`Prepared.widths`). Not jitted itself: call it inside your own jitted
-    function or loop. Returns the new state.
+    `widths` the verify widths (`Prepared.widths`); `verify_cost` f32[len(widths)] the measured cost of each
+    (`Prepared.verify_cost`), or None for the narrowest width holding the drafts. Not jitted itself: call it
+    inside your own jitted function or loop. Returns the new state.
     """
     k = proposer.num_speculative_tokens
-    batch = state.history.shape[0]
-    active = ~state.done
     ctx = _context(state, sampling, limits, k)
-    keys = row_keys(sampling.seed, state.cache.lengths)
-    draft, pstate = proposer.propose(proposer_params, state.pstate, ctx, keys)
+    draft, pstate = proposer.propose(proposer_params, state.pstate, ctx, row_keys(sampling.seed, state.cache.lengths))
     draft, in_vocab = _replace_out_of_vocab(draft, model.cfg.vocab_size)
-    want_features = getattr(proposer, "needs_features", False)
-    is_tree = draft.parents is not None
-    node_depth = depths(draft.parents) if is_tree else None  # i32[B, K+1], the root included
-    proposed = jnp.clip(draft.num_draft, 0, k).astype(jnp.int32)  # i32[B]
-    # A chain's drafts are its depth, cut at its first out-of-vocabulary token; a tree's nodes are bounded by
-    # the node count (out-of-vocabulary ones are marked invalid), its depth by max_draft.
-    num_draft = (jnp.where(ctx.max_draft > 0, proposed, 0) if is_tree
-                 else jnp.minimum(jnp.minimum(proposed, ctx.max_draft), _leading_in_vocab(in_vocab)))
+    num_draft = _num_draft(draft, in_vocab, ctx.max_draft, k)  # i32[B]
+    node_depth = None if draft.parents is None else depths(draft.parents)  # i32[B, K+1], the root included
+    choice = _width_choice(widths, num_draft, state, node_depth is not None, verify_cost)
+    num_draft = jnp.minimum(num_draft, jnp.asarray(widths, jnp.int32)[choice] - 1)  # drafts past it wait
 
-    # The narrowest compiled width that holds the longest draft in the batch: a step where nobody drafts
-    # costs one plain decode step, not c(K+1) of them.
-    def branch(width):
-        n = jnp.minimum(num_draft, width - 1)
-        if is_tree:
-            return lambda: _score_and_verify_tree(model, width, state, draft, in_vocab, node_depth, n,
-                                                  ctx.max_draft, sampling, k, getattr(proposer, "max_depth", k),
-                                                  attention_impl, want_features)
-        return lambda: _score_and_verify(model, width, state, draft, n, sampling, k, attention_impl, want_features)
+    verified = verify(model, proposer, state, draft, num_draft, in_vocab, node_depth, ctx.max_draft, sampling,
+                      widths, choice, attention_impl)
+    new, keep, accepted = commit(state, verified, limits)
+    counters = state.counters.record(~state.done, num_draft, _draft_depth(num_draft, node_depth, ctx.max_draft, k),
+                                     accepted, keep)
+    new = new.replace(counters=counters)
 
-    if len(widths) == 1:
-        out_tokens, num_out, cache, features, out_logprobs = branch(widths[0])()
-    else:
-        choice = jnp.sum(jnp.asarray(widths[:-1]) < jnp.max(num_draft) + 1)
-        out_tokens, num_out, cache, features, out_logprobs = jax.lax.switch(choice, [branch(w) for w in widths])
-
-    # Commit: keep output tokens up to and including the first stop token, and within the token budget.
-    j = jnp.arange(k + 1)
-    stop_at = jnp.where(_is_stop(out_tokens, limits) & (j < num_out[:, None]), j, k + 1)
-    room = limits.max_new_tokens - state.num_generated
-    keep = jnp.minimum(jnp.minimum(num_out, jnp.min(stop_at, axis=1) + 1), room)
-    keep = jnp.where(active, keep, 0)  # i32[B]
-    kept = j < keep[:, None]  # bool[B, K+1]
-    slots = jnp.where(kept, state.history_len[:, None] + j, state.history.shape[1])  # out of bounds: dropped
-    history = state.history.at[jnp.arange(batch)[:, None], slots].set(out_tokens, mode="drop")
-    history_len = state.history_len + keep
-    # The newest token joins the cache with every kept token but the last, which is the new newest token.
-    cache = cache.advance(keep)
-    stopped = jnp.any(_is_stop(out_tokens, limits) & kept, axis=1)
-    done = state.done | (active & (stopped | (history_len - state.prompt_len >= limits.max_new_tokens)))
-
-    accepted = jnp.where(active, jnp.minimum(num_out - 1, keep), 0)
-    c = state.counters
-    pos = jnp.arange(k)
-    # Per-position counts are by depth: a tree drafts at depth j when one of its scored nodes is that deep.
-    draft_depth = num_draft
-    if is_tree:
-        scored = jnp.arange(k) < num_draft[:, None]
-        draft_depth = jnp.minimum(jnp.max(jnp.where(scored, node_depth[:, 1:], 0), axis=1), ctx.max_draft)
-    counters = SpecCounters(
-        steps=c.steps + active, drafted=c.drafted + jnp.where(active, num_draft, 0), accepted=c.accepted + accepted,
-        drafted_at=c.drafted_at + (active[:, None] & (pos < draft_depth[:, None])),
-        accepted_at=c.accepted_at + (pos < accepted[:, None]),
-        committed=c.committed.at[jnp.arange(batch), jnp.where(active, c.steps, c.committed.shape[1])].set(
-            keep, mode="drop"))
-
-    logprobs = None if out_logprobs is None else lp.write(state.logprobs, slots, out_logprobs)
-    new = state.replace(cache=cache, history=history, history_len=history_len, done=done, steps=state.steps + 1,
-                        counters=counters, logprobs=logprobs)
-    committed = Committed(tokens=jnp.where(kept, out_tokens, -1), num=keep, features=features)
-    pstate = proposer.update(proposer_params, pstate, _context(new, sampling, limits, k), committed)
-    return new.replace(pstate=pstate)
+    kept = jnp.arange(k + 1) < keep[:, None]  # bool[B, K+1]
+    committed = Committed(tokens=jnp.where(kept, verified.tokens, -1), num=keep, features=verified.features)
+    return new.replace(pstate=proposer.update(proposer_params, pstate, _context(new, sampling, limits, k), committed))
 
 
 def _loop(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params,
-          proposer: Proposer, widths: tuple[int, ...], attention_impl: str, last_step: jax.Array) -> DecodeState:
+          proposer: Proposer, widths: tuple[int, ...], attention_impl: str, last_step: jax.Array,
+          verify_cost: jax.Array | None) -> DecodeState:
     """Steps until every row is done or the loop's step counter reaches `last_step`."""
     model = nnx.merge(graphdef, params)
 
@@ -358,7 +431,7 @@ def _loop(graphdef, params, state: DecodeState, sampling: SamplingParams, limits
         return ~jnp.all(s.done) & (s.steps < last_step)
 
     def body(s: DecodeState):
-        return spec_step(model, proposer, proposer_params, s, sampling, limits, widths, attention_impl)
+        return spec_step(model, proposer, proposer_params, s, sampling, limits, widths, attention_impl, verify_cost)
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -367,25 +440,26 @@ def _loop(graphdef, params, state: DecodeState, sampling: SamplingParams, limits
                    donate_argnames=("state",))
 def decode(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params=None,
            *, proposer: Proposer = NoProposer(), widths: tuple[int, ...] = (1,),
-           attention_impl: str = "xla") -> DecodeState:
+           attention_impl: str = "xla", verify_cost: jax.Array | None = None) -> DecodeState:
     """Decode until every row is done, as one `lax.while_loop` on the device; returns the final state.
 
     `state` is donated: its buffers are reused for the result, so do not read the state you passed in.
+    `verify_cost` (f32[len(widths)], `jaxspec.cost`) makes each step's width cost-aware.
     """
     max_steps = state.counters.committed.shape[1]
     return _loop(graphdef, params, state, sampling, limits, proposer_params, proposer, widths, attention_impl,
-                 jnp.asarray(max_steps, jnp.int32))
+                 jnp.asarray(max_steps, jnp.int32), verify_cost)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "widths", "attention_impl", "num_steps"),
                    donate_argnames=("state",))
 def decode_chunk(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits,
                  proposer_params=None, *, proposer: Proposer = NoProposer(), widths: tuple[int, ...] = (1,),
-                 attention_impl: str = "xla", num_steps: int) -> DecodeState:
+                 attention_impl: str = "xla", num_steps: int, verify_cost: jax.Array | None = None) -> DecodeState:
     """At most `num_steps` more steps, fewer once every row is done: the serving engine's unit of work.
 
     Between chunks the host streams what rows committed, admits requests into free rows and retires finished
     ones; the state (cache, histories, proposer state) stays on the device and is updated in place.
     """
     return _loop(graphdef, params, state, sampling, limits, proposer_params, proposer, widths, attention_impl,
-                 state.steps + num_steps)
+                 state.steps + num_steps, verify_cost)

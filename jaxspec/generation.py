@@ -10,30 +10,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from .config import HEAD_METHODS, SamplingParams, SpecConfig, _short_repr, is_integer
-from .decode import NoProposer, RowLimits, decode, prefill, propose_once
+from . import cost
+from .config import SamplingParams, SpecConfig, _short_repr, is_integer
+from .decode import RowLimits, decode, mean_acceptance_length, prefill, propose_once
+from .limits import check_prompt, eos_ids, is_token_list, stop_ids, stop_table
 from .logprobs import TokenLogprob, to_host
-from .models.heads import Readout, load_head, named_head_path
+from .methods import build_proposer
 from .models.loading import LanguageModel
 from .proposers.base import Draft, Proposer
-from .proposers.draft_model import DraftModelProposer, self_draft_model
-from .proposers.eagle import EagleProposer
-from .proposers.medusa import MedusaProposer
-from .proposers.ngram import NgramProposer
-from .proposers.sam import SamProposer
-from .proposers.suffix_automaton import StaticSuffixAutomaton
-from .tree import TreeTopology
-
-_BUCKET_MIN = 16
-_CACHE_ALIGN = 128
+from .shapes import bucket_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +40,8 @@ class RowStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens committed per step: accepted drafts plus the target's own token."""
-        return sum(self.committed_per_step) / self.steps if self.steps else float("nan")
+        """Tokens committed per step (`jaxspec.decode.mean_acceptance_length`)."""
+        return mean_acceptance_length(sum(self.committed_per_step), self.steps)
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,9 +78,8 @@ class GenerateStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens committed per active row-step (accepted drafts + the target's token); 1.0 for plain decoding."""
-        committed = sum(sum(r.committed_per_step) for r in self.rows)
-        return committed / self.row_steps if self.row_steps else float("nan")
+        """Tokens committed per active row-step over all rows (`jaxspec.decode.mean_acceptance_length`)."""
+        return mean_acceptance_length(sum(sum(r.committed_per_step) for r in self.rows), self.row_steps)
 
     @property
     def acceptance_rate_per_position(self) -> tuple[float, ...]:
@@ -120,21 +110,6 @@ class GenerateResult:
 def default_attention_impl() -> str:
     """The Pallas kernel where a GPU runs it natively; XLA's attention on CPU (Pallas only interprets there)."""
     return "pallas" if jax.default_backend() == "gpu" else "xla"
-
-
-def _next_pow2(n: int, minimum: int) -> int:
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
-
-
-def _is_token_list(x) -> bool:
-    """A list, tuple or 1-D integer array of token ids (possibly empty): one prompt, not a batch."""
-    if isinstance(x, np.ndarray):
-        return x.ndim == 1 and x.dtype.kind in "iu"
-    return isinstance(x, (list, tuple)) and all(is_integer(t) for t in x)
 
 
 def _encode(lm: LanguageModel, i: int, text: str) -> list[int]:
@@ -171,7 +146,7 @@ def _array_rows(prompts: np.ndarray, prompt_lengths) -> list[np.ndarray]:
     if prompt_lengths is None:
         return list(prompts)
     lengths = _host(prompt_lengths, "prompt_lengths")
-    if not _is_token_list(lengths) or len(lengths) != batch:
+    if not is_token_list(lengths) or len(lengths) != batch:
         raise ValueError(f"prompt_lengths={prompt_lengths!r} must be {batch} integers, one per row of prompts "
                          f"{prompts.shape}")
     for i, n in enumerate(lengths):
@@ -194,57 +169,34 @@ def normalise_prompts(lm: LanguageModel, prompts, prompt_lengths=None) -> list[l
         raise ValueError(f"prompt_lengths={prompt_lengths!r} needs prompts as one 2-D integer array [B, P]")
     elif isinstance(prompts, (list, tuple)):
         prompts = [_host(p, f"prompt {i}") for i, p in enumerate(prompts)]
-    if isinstance(prompts, str) or (_is_token_list(prompts) and len(prompts) > 0):
+    if isinstance(prompts, str) or (is_token_list(prompts) and len(prompts) > 0):
         prompts = [prompts]
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings or token-id lists, or an "
                          "integer array [B, P]")
-    vocab = lm.config.vocab_size
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
-            ids = _encode(lm, i, p)
-        elif _is_token_list(p):
-            ids = [int(t) for t in p]
-        else:
+            p = _encode(lm, i, p)
+        elif not is_token_list(p):
             raise ValueError(f"prompt {i}={p!r} must be a string or a list of integer token ids")
-        if not ids:
-            raise ValueError(f"prompt {i} is empty: at least one token is needed")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, {vocab})")
-        out.append(ids)
+        out.append(check_prompt(p, lm.config.vocab_size, f"prompt {i}"))
     return out
-
-
-def _checked_stop_ids(ids, vocab: int, where: str) -> list[int]:
-    """One list of stop ids, each an integer in [0, vocab), or ValueError naming `where`."""
-    if not _is_token_list(ids):
-        raise ValueError(f"{where}={ids!r} must be a list of integer token ids")
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"{where} has token id {bad[0]} outside [0, {vocab})")
-    return [int(t) for t in ids]
 
 
 def _stop_ids(lm: LanguageModel, num_rows: int, stop_token_ids, ignore_eos: bool) -> np.ndarray:
     """i32[B, M] each row's stop ids (EOS unless ignore_eos, then the user's), -1 padded."""
     vocab = lm.config.vocab_size
-    eos = () if ignore_eos or lm.tokenizer is None else tuple(lm.tokenizer.eos_token_ids)
+    eos = () if ignore_eos else eos_ids(lm)
     per_prompt = (isinstance(stop_token_ids, (list, tuple)) and len(stop_token_ids) > 0
                   and all(isinstance(s, (list, tuple, np.ndarray)) for s in stop_token_ids))
     if per_prompt:
         if len(stop_token_ids) != num_rows:
             raise ValueError(f"stop_token_ids has {len(stop_token_ids)} lists for {num_rows} prompts")
-        per_row = [list(eos) + _checked_stop_ids(s, vocab, f"stop_token_ids[{i}]")
-                   for i, s in enumerate(stop_token_ids)]
+        per_row = [stop_ids(s, eos, vocab, f"stop_token_ids[{i}]") for i, s in enumerate(stop_token_ids)]
     else:
-        per_row = [list(eos) + _checked_stop_ids(stop_token_ids, vocab, "stop_token_ids")] * num_rows
-    width = max(1, max(len(r) for r in per_row))
-    table = np.full((num_rows, width), -1, np.int32)
-    for i, r in enumerate(per_row):
-        table[i, : len(r)] = r
-    return table
+        per_row = [stop_ids(stop_token_ids, eos, vocab)] * num_rows
+    return stop_table(per_row)
 
 
 def _row_sampling(sampling, batch: int) -> SamplingParams:
@@ -273,93 +225,6 @@ def _check_scalars(lm: LanguageModel, *, max_new_tokens, logprobs, ignore_eos, m
     if max_cache_len is not None and (not is_integer(max_cache_len) or not 1 <= max_cache_len <= context):
         raise ValueError(f"max_cache_len={max_cache_len!r} must be None or an integer in [1, {context}] "
                          f"(the context length of {lm.name!r})")
-
-
-def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int, k: int) -> tuple[int, int, int]:
-    """(prompt width P, output buffer N, cache slots S) that a batch compiles for.
-
-    A power of two for the prompt and output buffers, the cache aligned to 128 slots, so similar requests
-    reuse one program; verification writes up to K draft slots past a row's last token.
-    """
-    width = _next_pow2(max(prompt_lens), _BUCKET_MIN)
-    buffer_len = _next_pow2(max_new_tokens, _BUCKET_MIN)
-    return width, buffer_len, _round_up(max(width, max(prompt_lens) + buffer_len + k + 1), _CACHE_ALIGN)
-
-
-_HEADS: dict = {}  # (path, modification time, target config) -> (graphdef, params, metadata)
-
-
-def trained_head(lm: LanguageModel, spec: SpecConfig):
-    """(graphdef, params, metadata) of the head `spec` runs: its `head_path`, or the one shipped for `lm`."""
-    kind = HEAD_METHODS[spec.method]
-    path = Path(spec.head_path) if spec.head_path is not None else named_head_path(lm.name, kind)
-    if path.suffix != ".safetensors":
-        path = path.with_name(path.name + ".safetensors")
-    if not path.exists():
-        raise ValueError(f"head_path={str(spec.head_path)!r}: no head file at {str(path)!r}")
-    key = (str(path.resolve()), path.stat().st_mtime_ns, lm.config)
-    if key not in _HEADS:
-        head, meta = load_head(path, lm.config)
-        _HEADS[key] = (*nnx.split(head), meta)
-    meta = _HEADS[key][2]
-    if meta.get("kind") != kind:
-        raise ValueError(f"head_path={str(path)!r} holds a {meta.get('kind')!r} head; method="
-                         f"{spec.method!r} needs a {kind!r} head")
-    return _HEADS[key]
-
-
-def medusa_topology(meta: dict, budget: int) -> TreeTopology:
-    """The static tree for a Medusa head: best-first over its measured rank accuracies (`rank_probs`, stored
-    by training), or the default prior when the file has none."""
-    if meta.get("rank_probs"):
-        return TreeTopology.best_first(meta["rank_probs"], budget)
-    return TreeTopology.default(depth=int(meta["num_heads"]), top_k=4, budget=budget)
-
-
-def _check_static_sam(lm: LanguageModel, static_sam) -> None:
-    """A static automaton must hold only token ids the target can embed."""
-    if not isinstance(static_sam, StaticSuffixAutomaton):
-        raise ValueError(f"static_sam={static_sam!r} must be a jaxspec.StaticSuffixAutomaton")
-    vocab = lm.config.vocab_size
-    low, high = static_sam.min_token_id(), static_sam.max_token_id()
-    if low < 0 or high >= vocab:
-        raise ValueError(f"static_sam holds token id {low if low < 0 else high} outside [0, {vocab}): its corpus "
-                         f"must come from the vocabulary of {lm.name!r}")
-
-
-def build_proposer(lm: LanguageModel, spec: SpecConfig, *, prompt_width: int, buffer_len: int,
-                   cache_len: int) -> tuple[Proposer, object]:
-    """The proposer (static settings) and its params (a pytree passed to the device) for `spec`."""
-    k = spec.num_speculative_tokens
-    if spec.method == "none":
-        return NoProposer(), None
-    if spec.method == "custom":
-        return spec.proposer, spec.proposer_params
-    if spec.method == "ngram":
-        return NgramProposer(k, ngram_max=spec.ngram_max, min_match=spec.min_match,
-                             draft_per_match=spec.draft_per_match), None
-    if spec.method == "sam":
-        if spec.sam_source != "dynamic":
-            _check_static_sam(lm, spec.static_sam)
-        return SamProposer(k, max_text_len=prompt_width + buffer_len, source=spec.sam_source,
-                           min_match=spec.min_match, draft_per_match=spec.draft_per_match), spec.static_sam
-    if spec.method in HEAD_METHODS:
-        graphdef, head_params, meta = trained_head(lm, spec)
-        params = {"head": head_params, "readout": Readout.of(lm.params)}
-        if spec.method == "medusa":
-            return MedusaProposer(k, graphdef, medusa_topology(meta, k)), params
-        if spec.method == "eagle2":
-            return EagleProposer(k, graphdef, cache_len=cache_len, mode="tree", depth=spec.tree_depth,
-                                 top_k=spec.tree_top_k), params
-        if spec.tree_depth is not None:
-            return EagleProposer(k, graphdef, cache_len=cache_len, mode="static",
-                                 topology=TreeTopology.default(spec.tree_depth, spec.tree_top_k, k)), params
-        return EagleProposer(k, graphdef, cache_len=cache_len), params
-    draft = spec.draft_model if spec.method == "draft_model" else self_draft_model(lm, spec.self_draft_layers)
-    if draft.config.vocab_size != lm.config.vocab_size:
-        raise ValueError(f"draft_model {draft.name!r} has vocab_size={draft.config.vocab_size}; the target "
-                         f"{lm.name!r} has {lm.config.vocab_size}: they must share one vocabulary")
-    return DraftModelProposer(k, draft.graphdef, cache_len=cache_len, prompt_width=prompt_width), draft.params
 
 
 _SEED_LIMIT = 2**32 - 1
@@ -457,7 +322,8 @@ class Prepared:
                         p.proposer_params, p.logprob_rows, proposer=p.proposer, cache_len=p.cache_len,
                         buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs)
         state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params,
-                       proposer=p.proposer, widths=p.widths, attention_impl=p.attention_impl)
+                       proposer=p.proposer, widths=p.widths, attention_impl=p.attention_impl,
+                       verify_cost=p.verify_cost)
         tokens, counts = p.new_tokens(state)
     """
 
@@ -472,6 +338,7 @@ class Prepared:
     widths: tuple[int, ...]  # verify widths, ending at K + 1
     max_new_tokens: int
     attention_impl: str = "xla"  # "xla" or "pallas" for verification
+    verify_cost: jax.Array | None = None  # f32[len(widths)] measured c(w) (SpecConfig.cost_aware), or None
     logprob_rows: jax.Array | None = None  # bool[B] rows that record log-probabilities, or None
     num_top_logprobs: int = 0  # most likely tokens recorded per position (with logprob_rows)
 
@@ -551,11 +418,18 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
                        stop_ids=jnp.asarray(req.stop_table))
     proposer, proposer_params = build_proposer(lm, req.spec, prompt_width=width, buffer_len=buffer_len,
                                                cache_len=cache_len)
+    verify_cost = None
+    if req.spec.cost_aware and len(req.spec.verify_widths) > 1 and cost.enabled():
+        # Costs at a cache about half filled with output, the middle of the run.
+        costs = cost.measure_verify_cost(lm, batch=batch, cache_len=cache_len, widths=req.spec.verify_widths,
+                                         cached=max(prompt_lens) + req.max_new_tokens // 2,
+                                         attention_impl=req.attention_impl)
+        verify_cost = jnp.asarray(costs, jnp.float32)
     prepared = Prepared(
         prompts=jnp.asarray(padded), prompt_lens=jnp.asarray(prompt_lens, jnp.int32), sampling=req.sampling,
         limits=limits, proposer=proposer, proposer_params=proposer_params, cache_len=cache_len,
         buffer_len=buffer_len, widths=req.spec.verify_widths, max_new_tokens=req.max_new_tokens,
-        attention_impl=req.attention_impl,
+        attention_impl=req.attention_impl, verify_cost=verify_cost,
         logprob_rows=None if req.logprobs is None else jnp.ones((batch,), bool),
         num_top_logprobs=req.logprobs or 0)
     if req.spec.method == "custom":
@@ -653,7 +527,7 @@ def generate(
     jax.block_until_ready(state.history)
     t1 = time.perf_counter()
     state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, proposer=p.proposer,
-                   widths=p.widths, attention_impl=p.attention_impl)
+                   widths=p.widths, attention_impl=p.attention_impl, verify_cost=p.verify_cost)
     history, history_len, steps, counters, buffer = jax.device_get(
         (state.history, state.history_len, state.steps, state.counters, state.logprobs))
     t2 = time.perf_counter()

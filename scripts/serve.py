@@ -20,7 +20,7 @@ import jax
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from jaxspec.config import METHOD_DEFAULTS
+    from jaxspec.methods import METHODS, names
     from jaxspec.serving.app import DEFAULT_MAX_BODY_BYTES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-len", type=int, default=2048,
                    help="KV-cache slots per request: prompt + max_tokens + K + 1 must fit. Attention on CPU "
                         "reads all of them every step, so keep it near the longest request (default: %(default)s)")
-    p.add_argument("--method", default="sam", choices=["none", "ngram", "sam", "medusa", "eagle", "eagle2"],
+    p.add_argument("--method", default="sam", choices=names(served=True),
                    help="speculation method for requests that do not choose one; medusa, eagle and eagle2 use the "
                         "heads shipped for the model (default: %(default)s)")
     p.add_argument("--methods", default=None,
@@ -47,10 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "or none,METHOD for a head method)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
                    help="K, the most draft tokens per request and step (default: the method's, "
-                        f"sam {METHOD_DEFAULTS['sam']['num_speculative_tokens']}, "
-                        f"ngram {METHOD_DEFAULTS['ngram']['num_speculative_tokens']}, medusa and eagle2 "
-                        f"{METHOD_DEFAULTS['eagle2']['num_speculative_tokens']} tree nodes, eagle "
-                        f"{METHOD_DEFAULTS['eagle']['num_speculative_tokens']})")
+                        + ", ".join(f"{m} {METHODS[m].defaults['num_speculative_tokens']}"
+                                    for m in names(served=True) if m != "none")
+                        + "; medusa and eagle2 count tree nodes)")
     p.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "off"],
                    help="when to speculate: adaptive (by load, switched off where measured slower), fixed "
                         "(always), off (never) (default: %(default)s)")
@@ -86,14 +85,14 @@ def main(argv=None) -> int:
     import uvicorn
 
     import jaxspec
-    from jaxspec.engine import Engine, EngineConfig
+    from jaxspec.engine import SHARED_BATCH_METHODS, Engine, EngineConfig
     from jaxspec.policy import make_policy
     from jaxspec.serving import create_app
 
     try:
         spec = jaxspec.SpecConfig(method=args.method, num_speculative_tokens=(
             None if args.method == "none" else args.num_speculative_tokens))
-        methods = args.methods or ("none,ngram,sam" if args.method in ("none", "ngram", "sam")
+        methods = args.methods or (",".join(SHARED_BATCH_METHODS) if args.method in SHARED_BATCH_METHODS
                                    else f"none,{args.method}")
         buckets = None if args.slot_buckets is None else tuple(int(b) for b in args.slot_buckets.split(","))
         config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len, spec=spec,

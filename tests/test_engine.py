@@ -114,13 +114,13 @@ def offline(lm, prompt: list[int], sampling: SamplingParams = SamplingParams(), 
 
 
 def device_rows_done(engine: Engine) -> bool:
-    """Whether every row of the device state is finished (read while the engine idles: no chunk donates it)."""
-    return bool(np.asarray(jax.device_get(engine._state.done)).all())
+    """Whether every row of the device batch is finished (read while the engine idles: no chunk donates it)."""
+    return bool(np.asarray(jax.device_get(engine.runner.state.done)).all())
 
 
 def _shutdown(engine: Engine) -> None:
     engine.shutdown(drain=False, timeout=60)
-    assert engine._thread is None or not engine._thread.is_alive(), "the engine thread did not stop"
+    assert not engine.is_alive(), "the engine thread did not stop"
     assert engine.failed is None, f"the engine loop failed: {engine.failed!r}"
 
 
@@ -304,7 +304,7 @@ def test_more_requests_than_slots(tiny_lm, fixed_engine, chunk_log):
     assert {1, 4} <= slots, slots  # regrouped up to 4 rows, and back down to 1 for the last request
     assert max(info["active"] for info in chunk_log) == 4
     assert all(info["active"] <= info["slots"] for info in chunk_log)
-    assert wait_until(lambda: len(fixed_engine._slots) == 1)
+    assert wait_until(lambda: len(fixed_engine.occupancy()) == 1)
     assert wait_until(lambda: fixed_engine.num_active == 0 and fixed_engine.metrics.requests_waiting == 0)
 
 
@@ -484,7 +484,7 @@ def test_validate_names_the_bad_value(idle_engine, kwargs, match):
     assert error.value.field == next(iter(kwargs))  # the field at fault, for the server's 400
     with pytest.raises(ValueError, match=match):
         engine.submit(req, Collector())
-    assert engine.metrics.requests_waiting == 0 and not engine._waiting
+    assert engine.metrics.requests_waiting == 0 and engine.num_waiting == 0
     # The limits themselves are allowed.
     engine.validate(Request([1] * 10, CONFIG.max_context - 10, num_speculative_tokens=K,
                             stop_token_ids=tuple(range(8))))
@@ -509,7 +509,7 @@ def test_shutdown_without_drain_cancels_in_flight_and_waiting(tiny_lm, fresh_eng
     engine.shutdown(drain=False, timeout=0)
     running.release()
     engine.shutdown(drain=False, timeout=60)
-    assert not engine._thread.is_alive()
+    assert engine.started and not engine.is_alive()
     for c in (running.wait(1), waiting.wait(1)):
         assert c.final.finish_reason == "cancelled"
     assert 1 <= len(running.tokens) < 100
@@ -539,7 +539,7 @@ def test_shutdown_with_drain_finishes_in_flight_requests(tiny_lm, fresh_engine):
         engine.submit(Request(PROMPTS[i], 10), c)
     engine.start(warmup=False)
     engine.shutdown(drain=True, timeout=TIMEOUT_S)
-    assert not engine._thread.is_alive()
+    assert engine.started and not engine.is_alive()
     for i, c in enumerate(collectors):
         c.wait(1)
         assert c.final.finish_reason == "length" and c.tokens == offline(tiny_lm, PROMPTS[i])[:10]

@@ -32,12 +32,12 @@ from scipy import stats
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.decode import OOV_DRAFT_PLACEHOLDER
-from jaxspec.generation import bucket_shapes
-from jaxspec.proposers.base import Committed, Context, Draft
+from jaxspec.proposers.base import ChainProposer, Committed, Context, Draft
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.suffix_automaton import StaticSuffixAutomaton
 from jaxspec.rejection import _ACCEPT_STREAM, rejection_sample
 from jaxspec.sampling import GREEDY_BELOW, process_logits, sample
+from jaxspec.shapes import bucket_shapes
 
 VOCAB = 97  # the tiny model's
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [11, 12, 13, 14, 15]]  # repetitive, so lookup proposers draft
@@ -238,7 +238,7 @@ def test_top_k_three_negative_control_samples_several_tokens_of_the_top_three(ti
 # ----------------------------------------------------------------------------------------------- OOV drafts
 
 @dataclasses.dataclass(frozen=True)
-class JunkOracleProposer:
+class JunkOracleProposer(ChainProposer):
     """Drafts plain greedy's continuation (params: i32[B, R] prompt + reference output) with junk planted:
     "ignored": every entry past num_draft holds the vocabulary size; "drafted": drafted entry 1 holds it
     (and entry 3 a negative id)."""
@@ -272,6 +272,7 @@ class JunkTreeProposer:
 
     num_speculative_tokens: int = 4
     max_depth: int = 2
+    needs_features = False
 
     def init(self, params, ctx: Context):
         return ()
@@ -469,7 +470,7 @@ def _chi_square_p(lm, spec, exact) -> tuple[float, object]:
 
 
 @dataclasses.dataclass(frozen=True)
-class AcceptKeyDraftProposer:
+class AcceptKeyDraftProposer(ChainProposer):
     """Negative control: a draft model whose one draft is drawn by inverse CDF from the *verification's*
     acceptance uniform, uniform(fold_in(fold_in(key(seed), P), _ACCEPT_STREAM)) at the draft's position P, so
     the draft and its acceptance test share one random number (what verification must never allow)."""

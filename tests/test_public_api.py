@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from flax import nnx
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.generation import rng_seeds
-from jaxspec.proposers.base import Committed, Context, Draft
+from jaxspec.proposers.base import ChainProposer, Committed, Context, Draft
 
 VOCAB = 97  # the tiny model's
 NEW = 16
@@ -282,7 +281,7 @@ def test_rejection_sample_shape_checks_run_under_vmap():
 # ------------------------------------------------------------------------------------------------ custom proposers
 
 @dataclasses.dataclass(frozen=True)
-class ShapedProposer:
+class ShapedProposer(ChainProposer):
     """Drafts zeros, with one Draft field of a chosen wrong shape ("" for none)."""
 
     num_speculative_tokens: int = 3
@@ -332,7 +331,7 @@ def test_a_wrongly_shaped_draft_raises_naming_the_field(tiny_lm, prompts, wrong,
 
 
 @dataclasses.dataclass  # not frozen: unhashable
-class MutableProposer:
+class MutableProposer(ChainProposer):
     num_speculative_tokens: int = 3
     init, propose, update = ShapedProposer.init, ShapedProposer.propose, ShapedProposer.update
 
@@ -352,10 +351,23 @@ class NoUpdate:
         raise AssertionError("never called")
 
 
+@dataclasses.dataclass(frozen=True)
+class Undeclared:
+    num_speculative_tokens: int = 3
+    init, propose, update = ShapedProposer.init, ShapedProposer.propose, ShapedProposer.update
+
+
+@dataclasses.dataclass(frozen=True)
+class WrongDepth(ShapedProposer):
+    max_depth: int = 4  # deeper than K = 3 drafts can reach
+
+
 @pytest.mark.parametrize("proposer,message", [
     (MutableProposer(), r"proposer=MutableProposer\(.*\) is not hashable.*frozen dataclass"),
     (ArrayHoldingProposer(table=jnp.arange(3)), r"proposer=ArrayHoldingProposer\(.*is not hashable.*proposer_params"),
     (NoUpdate(), r"proposer=<.*NoUpdate.*> has no update"),
+    (Undeclared(), r"proposer=Undeclared\(.*\) does not declare needs_features, max_depth.*ChainProposer"),
+    (WrongDepth(), r"proposer.max_depth=4 must be an integer in \[0, num_speculative_tokens=3\]"),
     (None, r"method='custom' needs proposer="),
 ])
 def test_bad_custom_proposers_raise_naming_the_proposer(proposer, message):
@@ -390,14 +402,8 @@ def test_prepare_needs_at_least_one_new_token(tiny_lm):
 # ------------------------------------------------------------------------------------------------ the example
 
 @pytest.mark.real_model
-def test_example_own_loop_runs_on_the_default_model():
+def test_example_own_loop_runs_on_the_default_model(default_model_installed):
     """examples/own_loop.py on SmolLM2-135M (skipped where the model is not installed, except under CI=true)."""
-    try:
-        jaxspec.models.loading.named_model_path(jaxspec.DEFAULT_MODEL)
-    except ValueError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(e))
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "own_loop.py"), "--max-new-tokens", "8"],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]

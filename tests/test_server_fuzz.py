@@ -796,7 +796,7 @@ def test_a_request_failing_in_the_engine_is_answered_and_the_next_is_served(serv
     """The engine's prefill raises for one request: that request alone fails (HTTP 500 with the error object;
     a stream ends with an error event), /health stays 200 and the next request gets its usual text."""
     engine = server.engine
-    real_prefill = engine._prefill
+    real_prefill = engine.runner.prefill
     failures = []
 
     def prefill_failing_once(*args, **kwargs):
@@ -805,10 +805,10 @@ def test_a_request_failing_in_the_engine_is_answered_and_the_next_is_served(serv
             raise RuntimeError("simulated device failure during prefill")
         return real_prefill(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_prefill", prefill_failing_once)
+    monkeypatch.setattr(engine.runner, "prefill", prefill_failing_once)
     body = dict(GREEDY_COMPLETION, stream=stream)
     r = post(server, "/v1/completions", json.dumps(body).encode())
-    assert failures, "the simulated failure never ran: the engine no longer admits through _prefill"
+    assert failures, "the simulated failure never ran: the engine no longer admits through Runner.prefill"
     if stream:
         assert r.status_code == 200, r.text
         events = [line[len("data: "):] for line in r.text.split("\n") if line.startswith("data: ")]

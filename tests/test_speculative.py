@@ -15,11 +15,11 @@ import pytest
 
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
-from jaxspec.proposers.base import Committed, Context, Draft
+from jaxspec.proposers.base import ChainProposer, Committed, Context, Draft
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleProposer:
+class OracleProposer(ChainProposer):
     """Drafts the next tokens of a known continuation (params: i32[B, R] prompt + reference output)."""
 
     num_speculative_tokens: int

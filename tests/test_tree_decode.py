@@ -37,6 +37,7 @@ class OracleTreeProposer:
     topology: TreeTopology
     right_rank: tuple[int, ...]
     vocab: int
+    needs_features = False  # drafts from the known continuation, not the target's hidden states
 
     @property
     def max_depth(self) -> int:

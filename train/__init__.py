@@ -17,8 +17,11 @@ except ImportError as e:
 
 from .batches import Batch, Batches, WindowSpec
 from .data import GenerationSettings, SelfDistillData, ensure_dataset
+from .eagle import EagleTask
 from .loop import TrainConfig, TrainResult, evaluate_head, train
+from .medusa import MedusaTask
 from .prompts import humaneval_split, stdlib_prompts
 
-__all__ = ["Batch", "Batches", "GenerationSettings", "SelfDistillData", "TrainConfig", "TrainResult", "WindowSpec",
-           "ensure_dataset", "evaluate_head", "humaneval_split", "stdlib_prompts", "train"]
+__all__ = ["Batch", "Batches", "EagleTask", "GenerationSettings", "MedusaTask", "SelfDistillData", "TrainConfig",
+           "TrainResult", "WindowSpec", "ensure_dataset", "evaluate_head", "humaneval_split", "stdlib_prompts",
+           "train"]

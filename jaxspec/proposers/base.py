@@ -13,7 +13,7 @@ The loop calls, per generation run:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import flax.struct
 import jax
@@ -71,16 +71,19 @@ class Proposer(Protocol):
     """The contract every proposer follows: static settings on the object, three pure jittable functions.
 
     A custom proposer (`SpecConfig(method="custom", proposer=...)`) is checked at the boundary: `SpecConfig`
-    raises ValueError when it lacks init/propose/update or is not hashable (make it a frozen dataclass), and
-    `jaxspec.prepare` / `generate` trace `propose` once (`jax.eval_shape`) and raise ValueError naming any Draft
-    field of the wrong shape: tokens [B, K] int, num_draft [B] int, probs None or [B, K, V], parents None or
-    [B, K].
+    raises ValueError when it lacks an attribute or function below or is not hashable (make it a frozen
+    dataclass), and `jaxspec.prepare` / `generate` trace `propose` once (`jax.eval_shape`) and raise ValueError
+    naming any Draft field of the wrong shape: tokens [B, K] int, num_draft [B] int, probs None or [B, K, V],
+    parents None or [B, K]. A proposer drafting chains from tokens alone can inherit `ChainProposer` for the
+    two declarations.
     """
 
     num_speculative_tokens: int  # K, the static draft budget per step (tree proposers: non-root nodes)
-    # Optional static attributes, read with getattr: `needs_features` (bool) asks the loop for the target's
-    # hidden states (Context.features at init, Committed.features at update); `max_depth` (int) bounds a
-    # tree proposer's depth, which sizes its verification.
+    # Whether the loop hands the proposer the target's hidden states (Context.features at init,
+    # Committed.features at update): heads draft from them; other proposers save the loop carrying them.
+    needs_features: bool
+    # The most drafts one step can accept: K for a chain, the depth for a tree. It sizes tree verification.
+    max_depth: int
 
     def init(self, params: Any, ctx: Context) -> PState:
         """The per-row state after prefill (ctx holds each row's prompt and first generated token)."""
@@ -93,6 +96,19 @@ class Proposer(Protocol):
     def update(self, params: Any, pstate: PState, ctx: Context, committed: Committed) -> PState:
         """The state after verification committed `committed` (ctx already holds those tokens)."""
         ...
+
+
+class ChainProposer:
+    """The declarations of a proposer that drafts chains from tokens alone (n-gram, suffix automaton, a draft
+    model): it reads no hidden states, and one step can accept all K of its drafts. Inherit it beside
+    `@dataclasses.dataclass(frozen=True)`."""
+
+    needs_features: ClassVar[bool] = False
+
+    @property
+    def max_depth(self) -> int:
+        """K: a chain of K drafts can be accepted whole."""
+        return self.num_speculative_tokens
 
 
 def lookup_draft_count(match_len: jax.Array, available: jax.Array, max_draft: jax.Array, k: int, min_match: int,

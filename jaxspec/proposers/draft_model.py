@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..models.llama import Llama
 from ..models.loading import LanguageModel
 from ..sampling import processed_probs, sample
-from .base import Committed, Context, Draft
+from ..target import check_target
+from .base import ChainProposer, Committed, Context, Draft
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelProposer:
+class DraftModelProposer(ChainProposer):
     """Drafts K tokens a step with a small model of the target's vocabulary, sampled from its q (sent along)."""
 
     num_speculative_tokens: int  # K: tokens drafted per step
@@ -81,13 +81,26 @@ class DraftModelProposer:
 
 
 def self_draft_model(lm: LanguageModel, num_layers: int) -> LanguageModel:
-    """The target's first `num_layers` decoder layers with its final norm and LM head, sharing its arrays."""
+    """The target's first `num_layers` decoder layers with its final norm and LM head, sharing its arrays.
+
+    Any target following `jaxspec.target.SelfDraftTarget` works (the draft is the target's own class with fewer
+    layers); ValueError naming what a target lacks otherwise.
+    """
+    check_target(lm, "self_draft", trace=False)  # its forward was traced when it was wrapped
     cfg = lm.config
     if not 1 <= num_layers <= cfg.num_layers:
         raise ValueError(f"self_draft_layers={num_layers!r} must be in [1, {cfg.num_layers}] for {lm.name!r}")
     small_cfg = dataclasses.replace(cfg, num_layers=num_layers)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(small_cfg, rngs=nnx.Rngs(0))))
+    target_class = type(lm.module)
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: target_class(small_cfg, rngs=nnx.Rngs(0))))
     params = nnx.State({name: sub for name, sub in lm.params.items() if name != "layers"}
                        | {"layers": nnx.State({i: lm.params["layers"][i] for i in range(num_layers)})})
+    # Every array but the dropped layers' is shared, so the smaller instance must need exactly those arrays.
+    want = {path: tuple(v.shape) for path, v in nnx.to_flat_state(shapes)}
+    have = {path: tuple(v.shape) for path, v in nnx.to_flat_state(params)}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()), key=str)[:3]
+        raise ValueError(f"method='self_draft' needs {target_class.__name__} with num_layers={num_layers} to hold "
+                         f"the target's parameters minus the later layers; they differ at (path, shape) {diff}")
     return dataclasses.replace(lm, name=f"{lm.name}[:{num_layers}]", config=small_cfg, graphdef=graphdef,
                                params=params)

@@ -19,6 +19,12 @@ positions); drafts write past it and are overwritten, like the target's rejected
   nodes by cumulative draft log-probability, each with its top-k children, for `depth` levels, then keep the
   K best nodes (`select_nodes`, closed under ancestors). Each level is one head forward over the frontier
   under a tree mask. Candidates are deterministic, so sampled rows use the point-mass rule (lossless).
+
+Over a draft vocabulary (`SpecConfig(draft_vocab=N)`, `Readout.restrict`) each head forward scores N columns of
+the LM head instead of V, and candidates and samples map back to target ids. A sampled chain's q is then its
+distribution over the N ids scattered into a V-wide vector, zero elsewhere: the exact probability of every
+target id. Verification reads q at the drafted id (inside the set) and in the residual max(p - q, 0), where
+the zeros leave the target's own mass on every id the draft could not propose.
 """
 
 from __future__ import annotations
@@ -143,9 +149,12 @@ class EagleProposer:
         start = state.cache.lengths  # i32[B]: position of the newest token
 
         def draw(i, feature):  # f32[B, D] -> draft token i32[B], its distribution q f32[B, V]
-            logits = readout.logits(feature)
+            # Over a draft vocabulary the token is drawn among its N columns, and q is that same distribution
+            # with zeros at every other id: the exact probability of each target id, as verification needs.
+            logits = readout.logits(feature)  # f32[B, N] (N = V without a draft vocabulary)
             step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
-            return sample(step_keys, logits, ctx.sampling), processed_probs(logits, ctx.sampling)
+            token = readout.token_ids(sample(step_keys, logits, ctx.sampling))
+            return token, readout.full_vocab(processed_probs(logits, ctx.sampling))
 
         token, q = draw(0, state.pred)
         batch = token.shape[0]
@@ -176,8 +185,8 @@ class EagleProposer:
         rel = jnp.arange(cache.max_len)[None, :] - start[:, None]  # [B, S]
         width = max(ranks) + 1
 
-        def ranked(feature):  # f32[B, n, D] -> i32[B, n, width] each node's ranked candidates
-            return jax.lax.top_k(readout.logits(feature), width)[1].astype(jnp.int32)
+        def ranked(feature):  # f32[B, n, D] -> i32[B, n, width] each node's ranked candidates (target ids)
+            return readout.token_ids(jax.lax.top_k(readout.logits(feature), width)[1].astype(jnp.int32))
 
         tokens = jnp.zeros((batch, topo.num_nodes), jnp.int32)
         outputs = {0: state.pred}  # node -> the head's feature after it (root: the state's prediction)
@@ -220,9 +229,10 @@ class EagleProposer:
         batch, slots = start.shape[0], cache.max_len
         scratch = self._scratch
 
-        def children(feature):  # f32[B, F, D] -> top-k (log-probs f32[B, F, k], tokens i32[B, F, k])
-            lp = jax.nn.log_softmax(readout.logits(feature), axis=-1)
-            return jax.lax.top_k(lp, k)
+        def children(feature):  # f32[B, F, D] -> top-k (log-probs f32[B, F, k], target ids i32[B, F, k])
+            lp = jax.nn.log_softmax(readout.logits(feature), axis=-1)  # over the draft vocabulary when restricted
+            top, index = jax.lax.top_k(lp, k)
+            return top, readout.token_ids(index)
 
         # Level 1: the root's top-k children; every one of them is on the first frontier.
         lp, tok = children(state.pred[:, None])

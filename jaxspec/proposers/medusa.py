@@ -6,6 +6,9 @@ x_{t+2+i}. Each step takes every head's top-k candidates and lays them into a fi
 many continuations. Candidates are deterministic (top-k), so sampled rows are verified by the point-mass rule
 (the target samples, the tree is followed while it matches): lossless for any candidates.
 
+Over a draft vocabulary (`SpecConfig(draft_vocab=N)`) the heads' top-k runs over N columns of the LM head and
+the candidates map back to target ids.
+
 State per row: h_t, the target feature behind the newest token (updated from the verify forward's features).
 """
 
@@ -55,9 +58,11 @@ class MedusaProposer:
         """The tree of every head's top-k candidates, all K nodes for every row."""
         heads = nnx.merge(self.graphdef, params["head"])
         depth = self.max_depth
-        logits = params["readout"].logits(heads(feature)[:, :depth])  # f32[B, D, V]
-        _, candidates = jax.lax.top_k(logits, self.top_k)  # i32[B, D, k]: head d's ranked candidates
-        tokens = tokens_from_topk(self.topology, candidates.astype(jnp.int32))  # i32[B, K]
+        readout = params["readout"]
+        logits = readout.logits(heads(feature)[:, :depth])  # f32[B, D, V], or f32[B, D, N] over a draft vocabulary
+        _, index = jax.lax.top_k(logits, self.top_k)  # i32[B, D, k]: head d's ranked candidates
+        candidates = readout.token_ids(index.astype(jnp.int32))  # as target ids
+        tokens = tokens_from_topk(self.topology, candidates)  # i32[B, K]
         batch = feature.shape[0]
         parents = jnp.broadcast_to(jnp.asarray(self.topology.parents, jnp.int32), tokens.shape)
         num = jnp.full((batch,), self.num_speculative_tokens, jnp.int32)

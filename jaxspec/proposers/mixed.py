@@ -52,16 +52,18 @@ class MixedProposer:
         if any(k != self.num_speculative_tokens for k in ks):
             raise ValueError(f"member proposers have K={ks}; all must equal num_speculative_tokens="
                              f"{self.num_speculative_tokens}")
-        if len(self.proposers) > 1 and any(getattr(p, "needs_features", False) for p in self.proposers):
+        if len(self.proposers) > 1 and any(p.needs_features for p in self.proposers):
             raise ValueError("a proposer that reads the target's features (Medusa, EAGLE) must be the only member")
 
     @property
     def needs_features(self) -> bool:
-        return any(getattr(p, "needs_features", False) for p in self.proposers)
+        """A head member reads the target's features (it is then the only member)."""
+        return any(p.needs_features for p in self.proposers)
 
     @property
     def max_depth(self) -> int:
-        return max(getattr(p, "max_depth", self.num_speculative_tokens) for p in self.proposers)
+        """The deepest member's: verification is sized for any row's choice."""
+        return max(p.max_depth for p in self.proposers)
 
     def init(self, params: MixedParams, ctx: Context) -> MixedState:
         """Every row starts with member 0 and the full budget; the engine sets the row's choice after prefill."""

@@ -12,11 +12,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .base import Committed, Context, Draft, lookup_draft_count
+from .base import ChainProposer, Committed, Context, Draft, lookup_draft_count
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramProposer:
+class NgramProposer(ChainProposer):
     """Prompt lookup (`SpecConfig(method="ngram")`): stateless, params unused, deterministic drafts."""
 
     num_speculative_tokens: int  # K

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from . import suffix_automaton as sam_lib
-from .base import Committed, Context, Draft, lookup_draft_count
+from .base import ChainProposer, Committed, Context, Draft, lookup_draft_count
 from .suffix_automaton import StaticMatch, StaticSuffixAutomaton, SuffixAutomaton
 
 
@@ -33,7 +33,7 @@ class SamState:
 
 
 @dataclasses.dataclass(frozen=True)
-class SamProposer:
+class SamProposer(ChainProposer):
     """Suffix-automaton drafting (`SpecConfig(method="sam")`); params: a StaticSuffixAutomaton or None."""
 
     num_speculative_tokens: int  # K

@@ -14,7 +14,9 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-SpecMethodName = Literal["none", "ngram", "sam", "medusa", "eagle", "eagle2"]  # the engine says which it serves
+from ..methods import names
+
+SpecMethodName = Literal[names(served=True)]  # the methods an engine can serve; the engine says which it does
 
 
 class _Body(BaseModel):

@@ -1,0 +1,169 @@
+"""Cost-aware verification: each step's verify width chosen from measured forward costs and acceptance.
+
+A target forward over w new tokens per row costs c(w) plain decode steps. c(w) depends on the machine, the
+backend, the batch and the cache, so it is measured for the compiled shapes (`measure_verify_cost`), cached
+in memory and on disk, and never assumed. A chain draft is accepted up to its first rejection, so a row
+whose drafts are accepted with probability a each and that has m of them scored commits in expectation
+
+    E(m) = 1 + a + a^2 + ... + a^m          (the target always adds one token of its own)
+
+Each step runs the compiled width w maximising  sum over active rows of E(min(n_row, w - 1)) / c(w);  drafts
+past it are not scored this step. A shorter draft is still a draft, so the choice never changes what is
+committed, only how fast. The rate a is the row's running acceptance (accepted / drafted so far), pulled
+towards a prior while the row has drafted little: a row whose drafts keep failing stops paying for wide
+forwards, one whose drafts keep landing keeps them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+PRIOR_RATE = 0.5  # a row's acceptance rate before it has drafted
+PRIOR_WEIGHT = 4.0  # ... weighted as this many drafted tokens
+CACHE_ENV = "JAXSPEC_VERIFY_COST"  # "off": never measure (narrowest width holding the drafts); else a directory
+
+_MEMO: dict[str, tuple[float, ...]] = {}  # key -> c(w) for the sorted widths timed (1 first)
+_SHAPES: dict[str, dict] = {}  # key -> the shapes it was measured at, for reports
+
+
+def acceptance_rate(accepted: jax.Array, drafted: jax.Array) -> jax.Array:
+    """f32[B]: each row's running draft acceptance rate, with the prior (i32[B] counts so far)."""
+    return (accepted + PRIOR_RATE * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+
+
+def expected_committed(rate: jax.Array, scored: jax.Array) -> jax.Array:
+    """f32[...]: 1 + a + ... + a^m, the tokens a chain with m = `scored` drafts of acceptance `rate` commits."""
+    rate = jnp.clip(rate, 0.0, 1.0 - 1e-6)  # a = 1 would divide by zero; the limit is m + 1
+    return (1.0 - rate ** (scored + 1)) / (1.0 - rate)
+
+
+def choose_width(widths: tuple[int, ...], verify_cost: jax.Array, num_draft: jax.Array, rate: jax.Array,
+                 active: jax.Array) -> jax.Array:
+    """i32[] index into `widths` maximising expected committed tokens per unit of forward cost.
+
+    verify_cost f32[W] is c(w) per compiled width; num_draft i32[B] the drafts each row proposed; rate f32[B]
+    its acceptance estimate; active bool[B] the rows still generating. Ties go to the narrower width.
+    """
+    scored = jnp.minimum(num_draft[:, None], jnp.asarray(widths, jnp.int32)[None, :] - 1)  # i32[B, W]
+    committed = jnp.sum(jnp.where(active[:, None], expected_committed(rate[:, None], scored), 0.0), axis=0)  # [W]
+    return jnp.argmax(committed / verify_cost).astype(jnp.int32)
+
+
+def narrowest_holding(widths: tuple[int, ...], num_draft: jax.Array) -> jax.Array:
+    """i32[] index of the narrowest width that holds the batch's longest draft (no cost table)."""
+    return jnp.sum(jnp.asarray(widths[:-1]) < jnp.max(num_draft) + 1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention_impl"), donate_argnames=("cache",))
+def _forward(graphdef, params, cache, tokens: jax.Array, *, attention_impl: str):
+    """One verify-shaped target forward over tokens i32[B, w] after the cache's rows; the cache is donated and
+    returned (K/V written in place, lengths unchanged), as inside the decode loop."""
+    model = nnx.merge(graphdef, params)
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    out, cache = model(tokens, positions, cache, attention_impl=attention_impl)
+    return out.logits, cache
+
+
+def _key(lm, batch: int, cache_len: int, widths: tuple[int, ...], cached: int, attention_impl: str) -> str:
+    device = jax.devices()[0]
+    parts = [lm.name, repr(lm.config), jax.__version__, device.platform, getattr(device, "device_kind", ""),
+             os.cpu_count(), batch, cache_len, widths, cached, attention_impl]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+def _cache_file() -> Path | None:
+    where = os.environ.get(CACHE_ENV, "")
+    if where == "off":
+        return None
+    base = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxspec"
+    return base / "verify_cost.json"
+
+
+def enabled() -> bool:
+    """False when the environment switches measuring off (JAXSPEC_VERIFY_COST=off)."""
+    return os.environ.get(CACHE_ENV, "") != "off"
+
+
+def measure_verify_cost(lm, *, batch: int, cache_len: int, widths: tuple[int, ...], cached: int,
+                        attention_impl: str = "xla", repeats: int = 7) -> tuple[float, ...]:
+    """c(w) for each width: the time of a target forward over w new tokens per row divided by the time of a
+    forward over one, at this batch and cache size with `cached` tokens in every row's cache.
+
+    Widths are timed interleaved (median of `repeats` rounds), so a load change on a shared machine hits them
+    alike. The result is remembered for the process and in a JSON file under ~/.cache/jaxspec (or the
+    directory in JAXSPEC_VERIFY_COST), keyed by model, machine, software and shapes.
+    """
+    timed = tuple(sorted({1, *widths}))
+    cached = max(0, min(cached, cache_len - max(timed)))
+    key = _key(lm, batch, cache_len, timed, cached, attention_impl)
+    if key not in _MEMO:
+        _MEMO[key] = _load(key) or _measure(lm, batch, cache_len, timed, cached, attention_impl, repeats, key)
+        _SHAPES[key] = dict(batch=batch, cache_len=cache_len, widths=timed, cached=cached)
+    costs = dict(zip(timed, _MEMO[key]))
+    return tuple(costs[w] for w in widths)
+
+
+def measured() -> list[dict]:
+    """The cost tables this process measured or loaded: batch, cache_len, widths, cached and costs c(w)."""
+    return [dict(_SHAPES[key], costs=_MEMO[key]) for key in _SHAPES]
+
+
+def _load(key: str) -> tuple[float, ...] | None:
+    path = _cache_file()
+    try:
+        entry = json.loads(path.read_text()).get(key) if path is not None and path.exists() else None
+    except (OSError, ValueError):
+        return None  # a damaged or unreadable cache is measured again
+    return tuple(float(c) for c in entry) if entry else None
+
+
+def _store(key: str, costs: tuple[float, ...]) -> None:
+    path = _cache_file()
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table[key] = list(costs)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table))
+        tmp.replace(path)  # atomic: concurrent processes never read half a file
+    except (OSError, ValueError):
+        pass  # the cache only saves time; measuring again next process is correct
+
+
+def _measure(lm, batch: int, cache_len: int, widths: tuple[int, ...], cached: int, attention_impl: str,
+             repeats: int, key: str) -> tuple[float, ...]:
+    cache = nnx.merge(lm.graphdef, lm.params).new_cache(batch, cache_len)
+    cache = cache.replace(lengths=jnp.full((batch,), cached, jnp.int32))
+
+    def run(width: int) -> float:
+        nonlocal cache
+        tokens = jnp.zeros((batch, width), jnp.int32)
+        t0 = time.perf_counter()
+        logits, cache = _forward(lm.graphdef, lm.params, cache, tokens, attention_impl=attention_impl)
+        logits.block_until_ready()
+        return time.perf_counter() - t0
+
+    for w in widths:  # compile and warm each width first
+        run(w)
+        run(w)
+    samples = {w: [] for w in widths}
+    for _ in range(repeats):
+        for w in widths:
+            samples[w].append(run(w))
+    base = statistics.median(samples[1])
+    costs = tuple(float(np.float32(statistics.median(samples[w]) / base)) for w in widths)
+    _store(key, costs)
+    return costs

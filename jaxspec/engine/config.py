@@ -1,0 +1,75 @@
+"""The engine's static settings: slots and their compiled batch sizes, cache length, the methods compiled in."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import SpecConfig
+from ..methods import METHODS, names
+from ..shapes import BUCKET_MIN
+
+# Methods whose rows may share one batch with any other such method (`jaxspec.methods.Method.shares_batch`).
+SHARED_BATCH_METHODS = tuple(m for m in names(served=True) if METHODS[m].shares_batch)  # none, ngram, sam
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static settings of an `Engine`: slots, cache length, the methods compiled in, chunk size, queue size."""
+
+    max_slots: int = 8  # the most requests decoded at once
+    cache_len: int = 2048  # KV slots per row: prompt + output + K + 1 must fit
+    spec: SpecConfig = dataclasses.field(default_factory=lambda: SpecConfig(method="sam"))  # default method, K
+    methods: tuple[str, ...] = SHARED_BATCH_METHODS  # proposers compiled in; each request picks one
+    chunk_steps: int = 8  # decode steps between host visits (streaming granularity)
+    max_waiting: int = 256  # requests queued beyond the free slots; more are refused (QueueFull). 0: no queue
+    slot_buckets: tuple[int, ...] | None = None  # compiled batch sizes; default 1 and multiples of 8
+    attention_impl: str | None = None  # "xla" or "pallas"; None: Pallas on GPU, XLA elsewhere
+    max_logprobs: int | None = 20  # most likely tokens a request may ask for per position; None: no logprobs
+
+    def __post_init__(self):
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots={self.max_slots!r} must be >= 1")
+        if self.chunk_steps < 1:
+            raise ValueError(f"chunk_steps={self.chunk_steps!r} must be >= 1")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting={self.max_waiting!r} must be >= 0")
+        if self.max_logprobs is not None and not 0 <= self.max_logprobs <= 1024:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be None or in [0, 1024]")
+        served = names(served=True)
+        if not self.methods or any(m not in served for m in self.methods):
+            raise ValueError(f"methods={self.methods!r} must be a non-empty subset of {served}")
+        alone = [m for m in self.methods if not METHODS[m].shares_batch]
+        if alone and len(set(self.methods) - {"none"}) > 1:
+            raise ValueError(f"methods={self.methods!r}: {alone[0]!r} is served alone (with 'none' beside it)")
+        if self.spec.method not in self.methods:
+            raise ValueError(f"spec.method={self.spec.method!r} must be one of methods={self.methods!r}")
+        k = self.num_speculative_tokens
+        if self.cache_len < k + 2 + BUCKET_MIN:
+            raise ValueError(f"cache_len={self.cache_len!r} is too small for K={k}")
+        if self.slot_buckets is None:
+            # XLA:CPU runs forwards over 2-7 rows slower than over 8 (docs/cpu-performance.md,
+            # docs/BENCHMARKS.md): batch 1 or a multiple of 8.
+            buckets = {1, self.max_slots} | set(range(8, self.max_slots, 8))
+            object.__setattr__(self, "slot_buckets", tuple(sorted(buckets)))
+        buckets = tuple(sorted(set(self.slot_buckets)))
+        if min(buckets) < 1 or max(buckets) != self.max_slots:
+            raise ValueError(f"slot_buckets={self.slot_buckets!r} must be >= 1 and end at max_slots={self.max_slots}")
+        object.__setattr__(self, "slot_buckets", buckets)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """K: the engine's draft budget (the default method's, or 8 when that method is `none`)."""
+        return self.spec.num_speculative_tokens or 8
+
+    @property
+    def max_context(self) -> int:
+        """Prompt + generated tokens a row may hold: verification writes K + 1 slots past the newest token."""
+        return self.cache_len - self.num_speculative_tokens - 1
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """The target-forward widths compiled in: 1, the default method's widths and K + 1 (plain rows share
+        every step, so width 1 is always there; the widest holds a full draft)."""
+        k = self.num_speculative_tokens
+        widths = self.spec.verify_widths if self.spec.method != "none" else (1, k + 1)
+        return tuple(sorted({1, *widths, k + 1}))

@@ -1,0 +1,259 @@
+"""The speculation methods: one registry that config, generation, the engine, the server and scripts read.
+
+Each `Method` says what kind of proposer it is, the settings it gets when the caller leaves them unset,
+whether the serving engine runs it and with what it can share a batch, and how its proposer is built for a
+model and a batch's shapes (`build_proposer`). Adding a method means adding one entry here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping
+
+from flax import nnx
+
+from .decode import NoProposer
+from .models.heads import Readout, draft_vocab_path, load_draft_vocab, load_head, named_head_path
+from .models.loading import LanguageModel
+from .proposers.base import Proposer
+from .proposers.draft_model import DraftModelProposer, self_draft_model
+from .proposers.eagle import EagleProposer
+from .proposers.medusa import MedusaProposer
+from .proposers.ngram import NgramProposer
+from .proposers.sam import SamProposer
+from .proposers.suffix_automaton import StaticSuffixAutomaton
+from .target import check_target
+from .tree import TreeTopology
+
+MethodKind = Literal["plain", "lookup", "model", "head", "custom"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The static shapes a proposer is built for: prompt width P, output buffer N, cache slots S."""
+
+    prompt_width: int
+    buffer_len: int
+    cache_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One speculation method: what it is, its defaults, where it runs, and how its proposer is built."""
+
+    name: str
+    kind: MethodKind  # plain (no drafts), lookup (n-gram, suffix automaton), model (a draft LM), head, custom
+    summary: str  # one line for help texts and docs
+    build: Callable[[LanguageModel, Any, Shapes], tuple[Proposer, Any]]  # (lm, SpecConfig, Shapes) -> (P, params)
+    defaults: Mapping[str, Any]  # SpecConfig settings the method takes when the caller leaves them unset
+    head: str | None = None  # the kind of trained head file it runs (kind "head")
+    served: bool = False  # the serving engine can compile it in
+    # What the target model must offer beyond the core contract (jaxspec.target checks it): "tree" (the forward
+    # takes tree_mask), "layers" (self-drafting from its first layers), "features" (hidden states and the
+    # readout for heads), "eagle_head" (the config fields an EAGLE head's Llama layer is sized from).
+    needs: tuple[str, ...] = ()
+
+    @property
+    def shares_batch(self) -> bool:
+        """Rows of this method can share one engine batch with rows of any other such method: deterministic
+        chain proposers verified by one rule. A head reads the target's features and may draft a tree or a
+        sampled chain, so it is served alone (beside `none`)."""
+        return self.served and self.kind in ("plain", "lookup")
+
+
+def _build_none(lm, spec, shapes):
+    return NoProposer(), None
+
+
+def _build_custom(lm, spec, shapes):
+    return spec.proposer, spec.proposer_params
+
+
+def _build_ngram(lm, spec, shapes):
+    return NgramProposer(spec.num_speculative_tokens, ngram_max=spec.ngram_max, min_match=spec.min_match,
+                         draft_per_match=spec.draft_per_match), None
+
+
+def _check_static_sam(lm: LanguageModel, static_sam) -> None:
+    """A static automaton must hold only token ids the target can embed."""
+    if not isinstance(static_sam, StaticSuffixAutomaton):
+        raise ValueError(f"static_sam={static_sam!r} must be a jaxspec.StaticSuffixAutomaton")
+    vocab = lm.config.vocab_size
+    low, high = static_sam.min_token_id(), static_sam.max_token_id()
+    if low < 0 or high >= vocab:
+        raise ValueError(f"static_sam holds token id {low if low < 0 else high} outside [0, {vocab}): its corpus "
+                         f"must come from the vocabulary of {lm.name!r}")
+
+
+def _build_sam(lm, spec, shapes):
+    if spec.sam_source != "dynamic":
+        _check_static_sam(lm, spec.static_sam)
+    return SamProposer(spec.num_speculative_tokens, max_text_len=shapes.prompt_width + shapes.buffer_len,
+                       source=spec.sam_source, min_match=spec.min_match,
+                       draft_per_match=spec.draft_per_match), spec.static_sam
+
+
+def _build_draft_model(lm, spec, shapes):
+    draft = spec.draft_model if spec.method == "draft_model" else self_draft_model(lm, spec.self_draft_layers)
+    if draft.config.vocab_size != lm.config.vocab_size:
+        raise ValueError(f"draft_model {draft.name!r} has vocab_size={draft.config.vocab_size}; the target "
+                         f"{lm.name!r} has {lm.config.vocab_size}: they must share one vocabulary")
+    return DraftModelProposer(spec.num_speculative_tokens, draft.graphdef, cache_len=shapes.cache_len,
+                              prompt_width=shapes.prompt_width), draft.params
+
+
+_HEADS: dict = {}  # (path, modification time, target config) -> (graphdef, params, metadata)
+
+
+def _head_file(lm: LanguageModel, spec) -> Path:
+    """The head file `spec` runs: its `head_path` (.safetensors appended when missing), or the one shipped for `lm`."""
+    path = Path(spec.head_path) if spec.head_path is not None else named_head_path(lm.name, get(spec.method).head)
+    if path.suffix != ".safetensors":
+        path = path.with_name(path.name + ".safetensors")
+    if not path.exists():
+        raise ValueError(f"head_path={str(spec.head_path)!r}: no head file at {str(path)!r}")
+    return path
+
+
+def trained_head(lm: LanguageModel, spec) -> tuple[Any, Any, dict]:
+    """(graphdef, params, metadata) of the head `spec` runs: its `head_path`, or the one shipped for `lm`."""
+    kind = get(spec.method).head
+    path = _head_file(lm, spec)
+    key = (str(path.resolve()), path.stat().st_mtime_ns, lm.config)
+    if key not in _HEADS:
+        head, meta = load_head(path, lm.config)
+        _HEADS[key] = (*nnx.split(head), meta)
+    meta = _HEADS[key][2]
+    if meta.get("kind") != kind:
+        raise ValueError(f"head_path={str(path)!r} holds a {meta.get('kind')!r} head; method="
+                         f"{spec.method!r} needs a {kind!r} head")
+    return _HEADS[key]
+
+
+def medusa_topology(meta: dict, budget: int) -> TreeTopology:
+    """The static tree for a Medusa head: best-first over its measured rank accuracies (`rank_probs`, stored
+    by training), or the default prior when the file has none."""
+    if meta.get("rank_probs"):
+        return TreeTopology.best_first(meta["rank_probs"], budget)
+    return TreeTopology.default(depth=int(meta["num_heads"]), top_k=4, budget=budget)
+
+
+# id of the target's lm_head array -> (a weak reference to it, {(ranking file, its mtime, N): Readout columns}):
+# slicing N columns out of a [D, V] LM head copies N * D floats, so each is made once per target array and
+# forgotten with it.
+_DRAFT_COLUMNS: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def draft_readout(lm: LanguageModel, spec) -> Readout:
+    """The readout the head of `spec` drafts through: the target's own, or over `spec.draft_vocab` = N < V tokens
+    its LM head's columns [D, N] of the first N ids of the head's ranking (`draft_vocab_path`) and those ids."""
+    readout = Readout.of(lm.params)
+    n, vocab = spec.draft_vocab, lm.config.vocab_size
+    if n is None or n == vocab:
+        return readout
+    if n > vocab:
+        raise ValueError(f"draft_vocab={n} must be in [1, {vocab}]: the vocabulary of {lm.name!r}")
+    path = draft_vocab_path(_head_file(lm, spec), lm.name)
+    lm_head = readout.lm_head
+    ref, by_ranking = _DRAFT_COLUMNS.get(id(lm_head), (None, None))
+    if ref is None or ref() is not lm_head:
+        by_ranking = {}
+        _DRAFT_COLUMNS[id(lm_head)] = (weakref.ref(lm_head), by_ranking)
+        weakref.finalize(lm_head, _DRAFT_COLUMNS.pop, id(lm_head), None)
+    key = (str(path.resolve()), path.stat().st_mtime_ns, n)
+    if key not in by_ranking:
+        ranking = load_draft_vocab(path, vocab)
+        if n > len(ranking):
+            raise ValueError(f"draft_vocab={n} exceeds the {len(ranking)} ids ranked in {str(path)!r}")
+        restricted = readout.restrict(ranking[:n])
+        by_ranking[key] = (restricted.lm_head, restricted.ids)
+    columns, ids = by_ranking[key]
+    return readout.replace(lm_head=columns, ids=ids)
+
+
+def _build_head(lm, spec, shapes):
+    check_target(lm, spec.method)
+    graphdef, head_params, meta = trained_head(lm, spec)
+    params = {"head": head_params, "readout": draft_readout(lm, spec)}
+    k = spec.num_speculative_tokens
+    if spec.method == "medusa":
+        return MedusaProposer(k, graphdef, medusa_topology(meta, k)), params
+    if spec.method == "eagle2":
+        return EagleProposer(k, graphdef, cache_len=shapes.cache_len, mode="tree", depth=spec.tree_depth,
+                             top_k=spec.tree_top_k), params
+    if spec.tree_depth is not None:
+        return EagleProposer(k, graphdef, cache_len=shapes.cache_len, mode="static",
+                             topology=TreeTopology.default(spec.tree_depth, spec.tree_top_k, k)), params
+    return EagleProposer(k, graphdef, cache_len=shapes.cache_len), params
+
+
+def _defaults(**settings) -> Mapping[str, Any]:
+    return types.MappingProxyType(settings)
+
+
+# Defaults. The `sam` default is adaptive, tuned for batch 1 on CPU from the measured verify cost c(T)
+# (docs/BENCHMARKS.md): scoring T new tokens costs c(T) plain steps, so a draft pays only when its expected
+# accepted run beats c(T) - 1, and the matched suffix length predicts the run. Nothing is drafted below
+# `min_match` tokens, at most `draft_per_match` x the match length above it, and each step runs the narrowest
+# verify width holding the batch's longest draft. Widths 2-8 are left out on purpose: at batch 1 XLA:CPU runs a
+# forward over 2-5 new tokens at 3-4x the cost of one token but over 9 tokens at ~1.3x (measured,
+# docs/BENCHMARKS.md), so K = 8 and 16 are the cheap ones. Trained heads: K counts drafted tokens (eagle, a
+# chain) or tree nodes (medusa, eagle2); 7 and 15 make verify widths 8 and 16, which XLA:CPU runs at 1.5-1.8
+# plain steps at batch 1. They draft over the 4096 most frequent tokens (`draft_vocab`, FR-Spec): over the full
+# 49152-wide LM head an EAGLE drafting pass costs 1.2-1.5 plain steps, over 4096 0.23-0.27 (Medusa 0.25 -> 0.07),
+# while greedy held-out acceptance keeps 98-100% (eagle2 2.53 -> 2.48, eagle 1.92 -> 1.91, medusa 1.90), and
+# tokens/s went from 0.61x to 1.07x of plain decoding's for eagle2 (eagle 0.64x -> 1.00x). 2048 drafts ~0.05
+# of a step cheaper but loses twice the acceptance and covers 85-89% of English and chat text against 93-95%
+# (scripts/bench_draft_vocab.py, docs/BENCHMARKS.md).
+_ALL = (
+    Method("none", "plain", "plain decoding: no drafts", _build_none, served=True,
+           defaults=_defaults(num_speculative_tokens=0, min_match=1, draft_per_match=math.inf, verify_widths=(1,))),
+    Method("ngram", "lookup", "prompt lookup: continue the newest n-gram's earlier occurrence", _build_ngram,
+           served=True, defaults=_defaults(num_speculative_tokens=8, min_match=2, draft_per_match=math.inf)),
+    Method("sam", "lookup", "suffix automaton over the row's text (and a static corpus): adaptive draft length",
+           _build_sam, served=True, defaults=_defaults(num_speculative_tokens=16, min_match=4, draft_per_match=1.0,
+                                                       verify_widths=(1, 9, 17))),
+    Method("draft_model", "model", "an independent small model of the same vocabulary drafts a chain",
+           _build_draft_model, defaults=_defaults(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf)),
+    Method("self_draft", "model", "the target's first layers with its final norm and LM head draft a chain",
+           _build_draft_model, needs=("layers",),
+           defaults=_defaults(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf)),
+    Method("medusa", "head", "Medusa heads draft a static tree from the target's last hidden state", _build_head,
+           head="medusa", served=True, needs=("tree", "features"),
+           defaults=_defaults(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf,
+                              verify_widths=(1, 16), draft_vocab=4096)),
+    Method("eagle", "head", "an EAGLE head drafts a chain (or a static tree) from the target's features",
+           _build_head, head="eagle", served=True, needs=("tree", "features", "eagle_head"),
+           defaults=_defaults(num_speculative_tokens=7, min_match=1, draft_per_match=math.inf, verify_widths=(1, 8),
+                              draft_vocab=4096)),
+    Method("eagle2", "head", "an EAGLE head drafts a dynamic tree (EAGLE-2), expanded by draft confidence",
+           _build_head, head="eagle", served=True, needs=("tree", "features", "eagle_head"),
+           defaults=_defaults(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf,
+                              verify_widths=(1, 16), tree_depth=6, tree_top_k=4, draft_vocab=4096)),
+    Method("custom", "custom", "your own Proposer (SpecConfig.proposer, .proposer_params)", _build_custom,
+           defaults=_defaults(min_match=1, draft_per_match=math.inf)),
+)
+METHODS: Mapping[str, Method] = types.MappingProxyType({m.name: m for m in _ALL})
+
+
+def names(*, kind: MethodKind | None = None, served: bool | None = None) -> tuple[str, ...]:
+    """Method names in registry order, optionally only those of one kind or those the engine does (not) serve."""
+    return tuple(m.name for m in _ALL if (kind is None or m.kind == kind) and (served is None or m.served == served))
+
+
+def get(name: str) -> Method:
+    """The method called `name`; ValueError naming it otherwise."""
+    if not isinstance(name, str) or name not in METHODS:
+        raise ValueError(f"method={name!r} must be one of {names()}")
+    return METHODS[name]
+
+
+def build_proposer(lm: LanguageModel, spec, *, prompt_width: int, buffer_len: int,
+                   cache_len: int) -> tuple[Proposer, Any]:
+    """The proposer (static settings) and its params (a pytree passed to the device) for `spec` (a SpecConfig)
+    over batches of the given shapes."""
+    return get(spec.method).build(lm, spec, Shapes(prompt_width, buffer_len, cache_len))

@@ -1,0 +1,88 @@
+"""The OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`.
+
+A generation route reads and validates the body, translates it into engine requests (one per choice and
+prompt), submits them all or none, and responds in OpenAI's format (`jaxspec.serving.responses`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..engine import Engine
+from .bodies import read_request
+from .choices import submit
+from .logprobs import TokenText
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from .responses import respond
+from .translate import Translator
+
+
+def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics, max_body_bytes: int) -> APIRouter:
+    """The routes over `engine`, serving its model as `served_model_name`; bodies over `max_body_bytes` get 413."""
+    router = APIRouter()
+    translator = Translator(engine, served_model_name)
+    tokenizer = engine.lm.tokenizer
+    token_text = TokenText(tokenizer)
+    created = int(time.time())
+
+    @router.get("/health")
+    async def health():
+        if engine.failed is not None:
+            return JSONResponse({"status": "failed", "error": repr(engine.failed)}, status_code=503)
+        return {"status": "ok"}
+
+    @router.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "jaxspec", "max_model_len": engine.max_context}]}
+
+    @router.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        arrived = time.perf_counter()
+        body: CompletionRequest = await read_request(request, CompletionRequest, max_body_bytes)
+        translator.check_model(body.model)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not prompts:
+            raise RequestError("prompt is empty: at least one token is needed", param="prompt")
+        capacity = engine.config.max_slots + engine.config.max_waiting
+        if len(prompts) * body.n > capacity:  # refused before any work: each choice is one engine request
+            raise RequestError(f"prompt: {len(prompts)} prompts x n={body.n} make {len(prompts) * body.n} "
+                               f"choices; this server takes at most {capacity} at once", param="prompt")
+        ids_list = await translator.encode_all(prompts, "prompt")
+        requests = []
+        for ids in ids_list:
+            if not ids:
+                raise RequestError("prompt is empty: at least one token is needed", param="prompt")
+            requests += translator.engine_requests(body, ids, prompt_param="prompt", default_max=16,
+                                                   logprobs_param="logprobs")
+        choices = submit(engine, requests, tokenizer, body.stop_strings)
+        return await respond(request, body, choices, sum(len(ids) for ids in ids_list), arrived, chat=False,
+                             model=served_model_name, token_text=token_text, metrics=metrics)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        arrived = time.perf_counter()
+        body: ChatCompletionRequest = await read_request(request, ChatCompletionRequest, max_body_bytes)
+        translator.check_model(body.model)
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        ids = await translator.chat_prompt(body.messages)
+        requests = translator.engine_requests(body, ids, prompt_param="messages", default_max=None,
+                                              logprobs_param="top_logprobs")
+        choices = submit(engine, requests, tokenizer, body.stop_strings)
+        return await respond(request, body, choices, len(ids), arrived, chat=True, model=served_model_name,
+                             token_text=token_text, metrics=metrics)
+
+    return router

@@ -1,0 +1,88 @@
+"""From an OpenAI request body to engine `Request`s: the model name checked, text tokenized, one engine request
+per choice, each checked by the engine before anything is submitted.
+
+Tokenizing much text runs in a worker thread, so it never stalls the streams the event loop is serving. The
+sampling fields map one to one onto `SamplingParams` (a `top_k` of -1 means none, as 0 does); choice i of a
+request with seed s samples with seed s + i, so n choices differ and a request repeats with its seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from ..config import SamplingParams
+from ..engine import Engine, InvalidRequest, Request
+from .bodies import OFF_LOOP_BYTES
+from .errors import invalid_request
+from .protocol import ChatMessage, RequestError
+
+
+class Translator:
+    """Request bodies into token ids and engine requests, for one engine and the model name it is served as."""
+
+    def __init__(self, engine: Engine, served_model_name: str):
+        self.engine = engine  # checks each request (`Engine.validate`)
+        self.served_model_name = served_model_name  # the only `model` a body may name
+        self.tokenizer = engine.lm.tokenizer  # the model's, chat template included
+
+    def check_model(self, name: str) -> None:
+        """RequestError (400) unless `name` is the served model's."""
+        if name != self.served_model_name:
+            raise RequestError(f"model {name!r} does not exist; this server serves {self.served_model_name!r}",
+                               param="model", code="model_not_found")
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except (ValueError, TypeError) as e:  # text the tokenizer cannot take is the client's error
+            raise RequestError(f"{param}: {e}", param=param) from None
+
+    async def encode_all(self, prompts: list, param: str) -> list[list[int]]:
+        """Token ids of each prompt (text, or token ids as they are); much text is encoded in a worker thread."""
+        def run() -> list[list[int]]:
+            return [self._encode(p, param) if isinstance(p, str) else list(p) for p in prompts]
+
+        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        return await asyncio.to_thread(run) if chars > OFF_LOOP_BYTES // 4 else run()
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of one text, at least one (RequestError naming `param` otherwise)."""
+        ids = (await self.encode_all([text], param))[0]
+        if not ids:
+            raise RequestError(f"{param} is empty: at least one token is needed", param=param)
+        return ids
+
+    async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        """Token ids of a chat rendered with the model's chat template, ready for the assistant's reply."""
+        rendered = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
+        try:
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, rendered, add_generation_prompt=True)
+        except ValueError as e:
+            raise RequestError(f"messages: {e}", param="messages") from None
+        return await self.encode(text, "messages")
+
+    def engine_requests(self, body, prompt_ids: list[int], *, prompt_param: str, default_max: int | None,
+                        logprobs_param: str) -> list[Request]:
+        """The `body.n` engine requests for one prompt, checked by the engine (RequestError naming the body field
+        otherwise). `default_max` is the endpoint's max_tokens when the body has none; None: up to the end of
+        the context."""
+        spec = body.speculative
+        method = "none" if spec == "off" else (spec.method if spec else None)
+        k = spec.num_speculative_tokens if spec not in (None, "off") else None
+        seed = secrets.randbits(32) if body.seed is None else body.seed % (1 << 32)
+        max_tokens = default_max if body.max_tokens is None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.engine.max_context - len(prompt_ids), 1)
+        requests = []
+        for i in range(body.n):
+            sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
+                                      min_p=body.min_p, seed=(seed + i) % (1 << 32))
+            requests.append(Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                                    stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                                    method=method, num_speculative_tokens=k, logprobs=body.top_logprobs_wanted))
+        try:
+            self.engine.validate(requests[0])  # the choices differ only in their seeds
+        except InvalidRequest as e:
+            raise invalid_request(e, prompt_param=prompt_param, logprobs_param=logprobs_param) from None
+        return requests

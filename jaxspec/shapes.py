@@ -1,0 +1,39 @@
+"""Shape bucketing: the few static shapes that batches and requests are padded to.
+
+Every distinct shape is a separate compiled program, so prompt widths, output buffers, cache lengths and
+batch sizes are rounded up to a handful of buckets: similar requests reuse one program and a new request
+never recompiles. `jaxspec.generate` and the serving engine both bucket through this module.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+BUCKET_MIN = 16  # the smallest prompt width and output buffer compiled
+CACHE_ALIGN = 128  # cache lengths are multiples of this many slots
+
+
+def next_pow2(n: int, minimum: int = BUCKET_MIN) -> int:
+    """The smallest power of two >= max(n, 1), and at least `minimum`."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def round_up(n: int, align: int) -> int:
+    """n rounded up to a multiple of `align`."""
+    return -(-n // align) * align
+
+
+def prompt_bucket(prompt_len: int, cap: int) -> int:
+    """The padded width of a prompt of `prompt_len` tokens prefilled alone, at most `cap` (the cache length)."""
+    return min(next_pow2(prompt_len), cap)
+
+
+def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int, k: int) -> tuple[int, int, int]:
+    """(prompt width P, output buffer N, cache slots S) that a batch compiles for.
+
+    A power of two for the prompt and output buffers, the cache aligned to 128 slots, so similar requests
+    reuse one program; verification writes up to K draft slots past a row's last token.
+    """
+    width = next_pow2(max(prompt_lens))
+    buffer_len = next_pow2(max_new_tokens)
+    return width, buffer_len, round_up(max(width, max(prompt_lens) + buffer_len + k + 1), CACHE_ALIGN)

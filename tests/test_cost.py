@@ -1,0 +1,120 @@
+"""Cost-aware verify widths (jaxspec.cost): the choice rule, the measured table and its cache, and that choosing
+a narrower width never changes what is committed."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import SamplingParams, SpecConfig, cost
+from test_speculative import OracleProposer
+
+K = 8
+WIDTHS = (1, 5, 9)
+
+
+def test_expected_committed_is_the_geometric_sum():
+    for rate in (0.0, 0.3, 0.9):
+        for m in range(6):
+            got = float(cost.expected_committed(jnp.float32(rate), jnp.int32(m)))
+            assert got == pytest.approx(sum(rate ** i for i in range(m + 1)), rel=1e-5)
+    assert float(cost.expected_committed(jnp.float32(1.0), jnp.int32(4))) == pytest.approx(5.0, rel=1e-4)
+
+
+def _choose(costs, num_draft, rate, active=None):
+    num_draft = jnp.asarray(num_draft, jnp.int32)
+    active = jnp.ones(num_draft.shape, bool) if active is None else jnp.asarray(active)
+    return int(cost.choose_width(WIDTHS, jnp.asarray(costs, jnp.float32), num_draft,
+                                 jnp.full(num_draft.shape, rate, jnp.float32), active))
+
+
+def test_the_choice_weighs_expected_tokens_against_cost():
+    assert _choose((1.0, 1.1, 1.2), [8, 8], 0.9) == 2  # cheap and accepted: the widest
+    assert _choose((1.0, 1.1, 1.2), [8, 8], 0.0) == 0  # nothing gets accepted: plain steps
+    assert _choose((1.0, 1.5, 9.0), [8, 8], 0.8) == 1  # width 9 too dear for its extra expected tokens
+    assert _choose((1.0, 1.1, 1.2), [0, 0], 0.9) == 0  # nobody drafts: ties go to the narrowest
+    # A finished row's drafts count for nothing.
+    assert _choose((1.0, 1.5, 1.6), [8, 0], 0.9, active=[False, True]) == 0
+    assert int(cost.narrowest_holding(WIDTHS, jnp.asarray([3, 0]))) == 1
+
+
+def test_the_running_rate_starts_at_the_prior_and_follows_the_counts():
+    rate = cost.acceptance_rate(jnp.asarray([0, 90, 0]), jnp.asarray([0, 100, 100]))
+    assert np.allclose(rate, [cost.PRIOR_RATE, (90 + 2) / 104, 2 / 104])
+
+
+def test_cost_aware_must_be_a_bool():
+    with pytest.raises(ValueError, match="cost_aware='yes' must be True or False"):
+        SpecConfig(method="sam", cost_aware="yes")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(cost.CACHE_ENV, str(tmp_path))
+    cost._MEMO.clear()
+    yield tmp_path
+    cost._MEMO.clear()
+
+
+def _oracle_run(lm, prompts, plain, sampling, cost_aware=True):
+    width = max(len(p) for p in prompts) + 40 + K + 1
+    reference = np.zeros((len(prompts), width), np.int32)
+    for i, (p, out) in enumerate(zip(prompts, plain.token_ids)):
+        reference[i, : len(p) + len(out)] = p + out
+    spec = SpecConfig(method="custom", num_speculative_tokens=K, verify_widths=WIDTHS, cost_aware=cost_aware,
+                      proposer=OracleProposer(K), proposer_params=jnp.asarray(reference))
+    return jaxspec.generate(lm, prompts, max_new_tokens=40, sampling=sampling, spec=spec)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, 97, size=n).tolist() for n in (6, 19, 11)]
+
+
+MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
+         SamplingParams(temperature=1.0, top_p=0.9, seed=5)]
+
+
+def test_measured_costs_keep_the_output_and_are_cached(tiny_lm, prompts, cache_dir, monkeypatch):
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, sampling=MIXED)
+    out = _oracle_run(tiny_lm, prompts, plain, MIXED)
+    assert out.token_ids == plain.token_ids  # seeded rows reproduce plain decoding token for token
+    assert out.stats.drafted > 0 and out.stats.accepted > 0
+    table = json.loads((cache_dir / "verify_cost.json").read_text())
+    assert len(table) == 1 and all(c > 0 for c in next(iter(table.values())))
+    # The next process (an empty memo) reads the file instead of measuring.
+    cost._MEMO.clear()
+    monkeypatch.setattr(cost, "_measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
+    assert _oracle_run(tiny_lm, prompts, plain, MIXED).token_ids == plain.token_ids
+
+
+def test_prohibitive_costs_mean_plain_steps_and_the_same_output(tiny_lm, prompts, cache_dir, monkeypatch):
+    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(
+        1.0 if w == 1 else 100.0 for w in widths))
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, sampling=MIXED)
+    out = _oracle_run(tiny_lm, prompts, plain, MIXED)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted == 0 and out.stats.steps == plain.stats.steps
+
+
+def test_cheap_wide_costs_let_an_accurate_proposer_draft_at_full_width(tiny_lm, prompts, cache_dir, monkeypatch):
+    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(1.0 for _ in widths))
+    greedy = SamplingParams(temperature=0.0)
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, sampling=greedy)
+    out = _oracle_run(tiny_lm, prompts, plain, greedy)
+    assert out.token_ids == plain.token_ids
+    # The oracle is always right: every step but the last ones commits K + 1 tokens.
+    assert out.stats.mean_acceptance_length > 0.8 * (K + 1)
+
+
+def test_switched_off_by_the_environment(tiny_lm, prompts, monkeypatch):
+    monkeypatch.setenv(cost.CACHE_ENV, "off")
+    monkeypatch.setattr(cost, "_measure", lambda *a, **k: pytest.fail("measured although switched off"))
+    p = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8,
+                        spec=SpecConfig(method="sam", cost_aware=True))
+    assert p.verify_cost is None
