@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.target import TargetModel, check_target
+
 from .config import ModelConfig, RopeConfig
 from .llama import Llama
 from .tokenizer import Tokenizer
@@ -62,8 +64,14 @@ class LanguageModel:
         return nnx.merge(self.graphdef, self.params)
 
     @classmethod
-    def from_module(cls, module: Llama, tokenizer: Tokenizer | None = None, name: str = "custom") -> "LanguageModel":
-        """A LanguageModel from an NNX `Llama` built in code (split once into graphdef and params)."""
+    def from_module(cls, module: Llama | TargetModel, tokenizer: Tokenizer | None = None,
+                    name: str = "custom") -> "LanguageModel":
+        """A LanguageModel from an NNX module built in code (split once into graphdef and params): a `Llama`, or
+        any model following the target contract (`jaxspec.target.TargetModel`); ValueError naming what it lacks.
+        """
+        # The shipped Llama's forward is checked by the tests (tests/test_model_contract.py); tracing it again
+        # at every load would add about a second to load_model. Any other class is traced as the loop calls it.
+        check_target(module, name=name, trace=type(module) is not Llama)
         graphdef, params = nnx.split(module)
         return cls(name=name, config=module.cfg, graphdef=graphdef, params=params, tokenizer=tokenizer)
 
