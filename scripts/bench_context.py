@@ -14,24 +14,24 @@ with each one's ratio to the first configuration.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import platform
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
-import workloads  # scripts/: python puts a script's own folder on sys.path
+from benchkit import machine, tables, workloads
+from benchkit.timing import clocked, interleave, ratios
 from jaxspec.decode import RowLimits, decode, prefill
 
 DEFAULT_CONFIGS = "200:256,300:512,300:1024,300:2048,1000:2048,1800:2048"
 
 
 def step_ms(lm, tokens: list[int], prompt_len: int, cache_len: int, batch: int, new_tokens: int) -> float:
-    """ms per decode-loop step, one timed call after a compiling one."""
+    """ms per decode-loop step of one prefill + decode (the decode loop alone is timed)."""
     width = 1 << (prompt_len - 1).bit_length()
     prompts = np.zeros((batch, width), np.int32)
     prompts[:, :prompt_len] = tokens[:prompt_len]
@@ -40,13 +40,12 @@ def step_ms(lm, tokens: list[int], prompt_len: int, cache_len: int, batch: int, 
     limits = RowLimits(max_new_tokens=jnp.full((batch,), new_tokens, jnp.int32),
                        stop_ids=jnp.full((batch, 1), -1, jnp.int32))
     buffer = 1 << (new_tokens - 1).bit_length()
-    state = prefill(lm.graphdef, lm.params, jnp.asarray(prompts), lens, sampling, limits, cache_len=cache_len,
-                    buffer_len=buffer)
-    jax.block_until_ready(state.history)
-    t0 = time.perf_counter()
-    state = decode(lm.graphdef, lm.params, state, sampling, limits)
-    jax.block_until_ready(state.history)
-    return (time.perf_counter() - t0) / int(state.steps) * 1000
+    prefilled = prefill(lm.graphdef, lm.params, jnp.asarray(prompts), lens, sampling, limits, cache_len=cache_len,
+                        buffer_len=buffer)
+    jax.block_until_ready(prefilled.history)
+    seconds, state = clocked(lambda: jax.block_until_ready(decode(lm.graphdef, lm.params, prefilled, sampling,
+                                                                  limits)))
+    return seconds / int(state.steps) * 1000
 
 
 def main(argv=None) -> int:
@@ -66,21 +65,17 @@ def main(argv=None) -> int:
 
     lm = jaxspec.load_model("smollm2-135m")
     tokens = lm.tokenizer.encode("".join(workloads.free_form_texts()))
-    print(f"# decode step vs cache size: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}; {args.new_tokens} steps, median of {args.repeats} interleaved rounds\n")
-    print("| batch | prompt tokens | cache slots | ms/step | x first |")
-    print("|---|---|---|---|---|")
+    print(f"# decode step vs cache size: {machine.line(machine.info())}; {args.new_tokens} steps, median of "
+          f"{args.repeats} interleaved rounds\n")
+    print(tables.head(["batch", "prompt tokens", "cache slots", "ms/step", "x first"]))
     for batch in (int(b) for b in args.batches.split(",")):
-        for p, s in configs:  # compile every configuration before timing any
-            step_ms(lm, tokens, p, s, batch, args.new_tokens)
-        times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
-        for _ in range(args.repeats):
-            for p, s in configs:
-                times[(p, s)].append(step_ms(lm, tokens, p, s, batch, args.new_tokens))
-        base = statistics.median(times[configs[0]])
+        # Every configuration compiles (its warm-up call) before any is timed.
+        times = interleave({(p, s): functools.partial(step_ms, lm, tokens, p, s, batch, args.new_tokens)
+                            for p, s in configs}, args.repeats)
+        x_first = ratios(times, configs[0])
         for p, s in configs:
-            ms = statistics.median(times[(p, s)])
-            print(f"| {batch} | {p} | {s} | {ms:.1f} | {ms / base:.2f} |", flush=True)
+            print(tables.row([batch, p, s, f"{statistics.median(times[(p, s)]):.1f}", f"{x_first[(p, s)]:.2f}"]),
+                  flush=True)
     return 0
 
 

@@ -18,12 +18,12 @@ import argparse
 import os
 import statistics
 import threading
-import time
 
 import jax
 
 import jaxspec
-import workloads  # scripts/: python puts a script's own folder on sys.path
+from benchkit import machine, tables, workloads
+from benchkit.timing import clocked, rounds
 from jaxspec.engine import Engine, EngineConfig, Request
 from jaxspec.policy import make_policy
 
@@ -59,11 +59,12 @@ class Level:
                 if not self.left:
                     finished.set()
 
-        t0 = time.perf_counter()
-        for prompt in prompts:
-            self.engine.submit(Request(prompt, max_tokens), on_output)
-        finished.wait()
-        wall = time.perf_counter() - t0
+        def burst() -> None:
+            for prompt in prompts:
+                self.engine.submit(Request(prompt, max_tokens), on_output)
+            finished.wait()
+
+        wall, _ = clocked(burst)
         self.last_chunk.wait()
         full = [c["seconds"] for c in self.chunks if c["active"] == c["slots"]]
         return {"wall_s": wall, "tokens": tokens[0],
@@ -94,15 +95,15 @@ def main() -> None:
         level.engine.ready.wait()
 
     rates: dict[str, list[float]] = {n: [] for n in names}
-    print("| repeat | policy | wall s | tokens/s | median full chunk ms | drafting chunks |")
-    print("|---|---|---|---|---|---|")
-    for rep in range(args.repeats):
+    print(f"# engine policies under a queue: {machine.line(machine.info())}; {args.requests} requests x "
+          f"{args.max_tokens} tokens per burst\n")
+    print(tables.head(["repeat", "policy", "wall s", "tokens/s", "median full chunk ms", "drafting chunks"]))
+    for rep, name in rounds(names, args.repeats, alternate=True):
         burst = [prompts[(rep * args.requests + i) % len(prompts)] for i in range(args.requests)]
-        for name in (names if rep % 2 == 0 else names[::-1]):
-            r = levels[name].run(burst, args.max_tokens)
-            rates[name].append(r["tokens"] / r["wall_s"])
-            print(f"| {rep} | {name} | {r['wall_s']:.1f} | {rates[name][-1]:.1f} | {r['full_chunk_s'] * 1000:.0f} | "
-                  f"{r['drafting_chunks']}/{r['chunks']} |", flush=True)
+        r = levels[name].run(burst, args.max_tokens)
+        rates[name].append(r["tokens"] / r["wall_s"])
+        print(tables.row([rep, name, f"{r['wall_s']:.1f}", f"{rates[name][-1]:.1f}", f"{r['full_chunk_s'] * 1000:.0f}",
+                          f"{r['drafting_chunks']}/{r['chunks']}"]), flush=True)
     base = names[0]
     for name in names[1:]:
         ratios = [a / b for a, b in zip(rates[name], rates[base])]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the trained drafters (Medusa, EAGLE chain, EAGLE-2 dynamic tree) against `none` and `sam`.
 
-Prompts are the HumanEval problems held out from head training (`jaxspec.train.data.humaneval_split`),
+Prompts are the HumanEval problems held out from head training (the `held-out` workload of benchkit.workloads),
 completed as plain text at batch 1, greedy and at temperature 0.8, with the heads shipped for the default
 model (`SpecConfig(method=...)` finds them by name). For each method it reports mean acceptance length
 (tokens committed per step: the heads' property, whatever the hardware), tokens/s, the speedup over `none`
@@ -21,18 +21,16 @@ Outputs: bench_out/bench_heads.json and bench_out/bench_heads.md (the table, als
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
-import platform
 import sys
-import time
 from pathlib import Path
 
-import jax
-
-sys.path.insert(0, str(Path(__file__).parent))
-import jaxspec  # noqa: E402
-from jaxspec import SamplingParams, SpecConfig  # noqa: E402
+import jaxspec
+from benchkit import machine, tables, workloads
+from benchkit.acceptance import pooled_acceptance_length
+from benchkit.timing import repeat
+from jaxspec import SamplingParams, SpecConfig
 
 TARGETS = {"eagle2": 3.0, "medusa": 2.0}
 
@@ -52,43 +50,38 @@ def configs(budgets: list[int], eagle_ks: list[int], wide: list[tuple[int, int, 
 
 def run(lm, prompts, spec: SpecConfig, new_tokens: int, temperature: float, seed: int) -> dict:
     """Each prompt alone (batch 1), after a warm-up generation that compiles the shapes."""
-    tokens, seconds, steps, committed, outputs = 0, 0.0, 0, 0, []
-    for i, p in enumerate(prompts):
-        sampling = SamplingParams(temperature=temperature, seed=seed + i)
-        jaxspec.generate(lm, [p], max_new_tokens=new_tokens, sampling=sampling, spec=spec)  # compile
-        out = jaxspec.generate(lm, [p], max_new_tokens=new_tokens, sampling=sampling, spec=spec)
-        outputs.append(out.token_ids[0])
-        tokens += out.stats.generated_tokens - 1  # the first token comes from prefill
-        seconds += out.stats.decode_s
-        steps += out.stats.row_steps
-        committed += sum(sum(r.committed_per_step) for r in out.stats.rows)
-    return {"tokens_per_s": tokens / seconds, "mean_acceptance_length": committed / steps, "steps": steps,
-            "tokens": tokens, "decode_s": seconds, "outputs": outputs}
+    results = [repeat(functools.partial(jaxspec.generate, lm, [p], max_new_tokens=new_tokens, spec=spec,
+                                        sampling=SamplingParams(temperature=temperature, seed=seed + i)), 1)[0]
+               for i, p in enumerate(prompts)]
+    stats = [r.stats for r in results]
+    tokens = sum(s.generated_tokens - 1 for s in stats)  # each row's first token comes from prefill
+    seconds = sum(s.decode_s for s in stats)
+    return {"tokens_per_s": tokens / seconds, "mean_acceptance_length": pooled_acceptance_length(stats),
+            "steps": sum(s.row_steps for s in stats), "tokens": tokens, "decode_s": seconds,
+            "outputs": [r.token_ids[0] for r in results]}
 
 
 def markdown(report: dict) -> str:
     lines = [f"Held-out HumanEval prompts: {report['num_prompts']}, {report['new_tokens']} new tokens each, "
-             f"batch 1; {report['machine']}, jax {report['jax']}, {report['date']}.", ""]
+             f"batch 1; {machine.line(report)}.", ""]
     for temp, rows in report["runs"].items():
         lines += [f"### temperature {temp}", "",
-                  "| method | mean acceptance length | tokens/s | vs none | greedy output == none |",
-                  "|---|---|---|---|---|"]
+                  tables.head(["method", "mean acceptance length", "tokens/s", "vs none", "greedy output == none"])]
         base = rows["none"]["tokens_per_s"]
         for label, r in rows.items():
-            same = r.get("same_as_none", "")
-            lines.append(f"| {label} | {r['mean_acceptance_length']:.2f} | {r['tokens_per_s']:.1f} | "
-                         f"{r['tokens_per_s'] / base:.2f}x | {same} |")
+            lines.append(tables.row([label, f"{r['mean_acceptance_length']:.2f}", f"{r['tokens_per_s']:.1f}",
+                                     f"{r['tokens_per_s'] / base:.2f}x", r.get("same_as_none", "")]))
         lines.append("")
     lines += ["### Best budget per method (tokens/s) and targets", "",
-              "| temperature | method | best config | acceptance | vs none | target |", "|---|---|---|---|---|---|"]
+              tables.head(["temperature", "method", "best config", "acceptance", "vs none", "target"])]
     for temp, best in report["best"].items():
         for method, b in best.items():
             target = TARGETS.get(method)
             verdict = "" if target is None or temp != "0.0" else (
                 f">= {target}: {'met' if b['max_acceptance'] >= target else 'missed'} "
                 f"(best acceptance {b['max_acceptance']:.2f})")
-            lines.append(f"| {temp} | {method} | {b['label']} | {b['mean_acceptance_length']:.2f} | "
-                         f"{b['speedup']:.2f}x | {verdict} |")
+            lines.append(tables.row([temp, method, b["label"], f"{b['mean_acceptance_length']:.2f}",
+                                     f"{b['speedup']:.2f}x", verdict]))
     return "\n".join(lines) + "\n"
 
 
@@ -119,14 +112,10 @@ def main(argv=None) -> int:
     if args.limit < 1 or args.new_tokens < 2:
         parser.error("--limit must be >= 1 and --new-tokens >= 2")
 
-    from jaxspec.train.data import humaneval_split
-
     lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
-    _, held_out = humaneval_split()
-    prompts = [lm.tokenizer.encode(t) for t in held_out[: args.limit]]
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "jax": jax.__version__, "model": lm.name, "num_prompts": len(prompts), "new_tokens": args.new_tokens,
-              "runs": {}, "best": {}}
+    prompts = workloads.held_out_prompts(lm.tokenizer, args.limit)
+    report = machine.info() | {"model": lm.name, "num_prompts": len(prompts), "new_tokens": args.new_tokens,
+                               "runs": {}, "best": {}}
     for temp in temperatures:
         rows = {}
         for label, spec in configs(budgets, eagle_ks, wide):

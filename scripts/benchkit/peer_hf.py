@@ -29,7 +29,7 @@ without them.
 
 from __future__ import annotations
 
-import time
+from .timing import clocked
 
 EOS_IDS = (0, 2)
 PAD_ID = 2
@@ -119,11 +119,8 @@ def run_peer(
     _generate_batch(model, batches[0], min(4, max_new_tokens), gen_kwargs)
 
     torch.manual_seed(seed)
-    outputs: list[list[int]] = []
-    start = time.perf_counter()
-    for batch in batches:
-        outputs.extend(_generate_batch(model, batch, max_new_tokens, gen_kwargs))
-    seconds = time.perf_counter() - start
+    seconds, outputs = clocked(lambda: [o for batch in batches
+                                        for o in _generate_batch(model, batch, max_new_tokens, gen_kwargs)])
 
     n_tokens = sum(len(o) for o in outputs)
     return {"tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0, "outputs": outputs, "seconds": seconds}

