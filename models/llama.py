@@ -10,6 +10,11 @@ into one wider matmul each; weights are [out, in] and the residual stream is fea
 projection is W @ xt (measured 1.3x faster than x @ W at 8 rows); attention contracts the G query heads and
 T new tokens of a KV head as one row block; the LM head is also kept as [D, V] (a transposed copy when
 embeddings are tied) because a single row runs fastest as h @ W.
+
+On the CPU the projections (and the tied LM head) run through jaxspec.kernels.cpu, a custom call that reads
+the weights once for any number of rows up to a verify step's, where XLA's GEMM costs several one-row products
+(docs/cpu-performance.md). Each module's `matmul` picks the path: "auto" (the kernel where it is built and
+wins), "xla" or "ffi"; a model gets $JAXSPEC_MATMUL (default auto) when built, `set_matmul` changes it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache import KVCache, write_new
+from jaxspec.kernels.cpu import MatmulImpl, default_impl, project, uses_kernel
 
 from .config import ModelConfig
 from .rope import apply_rope, rope_tables
@@ -61,9 +67,10 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions over the KV cache (fused q/k/v projection)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmul: MatmulImpl | None = None):
         dt = cfg.jnp_dtype
         self.cfg = cfg
+        self.matmul = matmul or default_impl()  # static: part of the graphdef, so each path compiles apart
         qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv = _dense_init(rngs, (qkv_width, cfg.hidden_size), dt)  # [(H + 2 Hkv) hd, D]
         self.qkv_bias = nnx.Param(jnp.zeros((qkv_width,), dt)) if cfg.attention_bias else None
@@ -75,7 +82,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T = cos.shape[:2]
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.qkv[...] @ xt  # [(H + 2 Hkv) hd, B*T]
+        qkv = project(self.qkv[...], xt, self.matmul)  # [(H + 2 Hkv) hd, B*T]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...][:, None]
         # Heads leave the feature-major layout here: attention works per row on [B, T, heads, hd].
@@ -94,7 +101,7 @@ class Attention(nnx.Module):
             out = _xla_attention(q, k_cache, v_cache, visible, cfg)
         else:
             out = _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg, cached_slots)
-        return self.o[...] @ out.reshape(B * T, H * hd).T, k_cache, v_cache
+        return project(self.o[...], out.reshape(B * T, H * hd).T, self.matmul), k_cache, v_cache
 
 
 def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
@@ -155,25 +162,26 @@ def _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfi
 class MLP(nnx.Module):
     """SwiGLU feed-forward block (fused gate/up projection)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmul: MatmulImpl | None = None):
         dt = cfg.jnp_dtype
         self.gate_up = _dense_init(rngs, (2 * cfg.intermediate_size, cfg.hidden_size), dt)  # [2F, D]
         self.down = _dense_init(rngs, (cfg.hidden_size, cfg.intermediate_size), dt)  # [D, F]
+        self.matmul = matmul or default_impl()
 
     def __call__(self, xt):
         """xt [D, N] -> [D, N], feature-major."""
-        gate, up = jnp.split(self.gate_up[...] @ xt, 2, axis=0)
-        return self.down[...] @ (jax.nn.silu(gate) * up)
+        gate, up = jnp.split(project(self.gate_up[...], xt, self.matmul), 2, axis=0)
+        return project(self.down[...], jax.nn.silu(gate) * up, self.matmul)
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm transformer block: attention then MLP, each added to the residual stream."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmul: MatmulImpl | None = None):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
-        self.attn = Attention(cfg, rngs)
+        self.attn = Attention(cfg, rngs, matmul)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs, matmul)
 
     def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
                  cached_slots=None):
@@ -205,11 +213,12 @@ def visibility_mask(lengths: jax.Array, num_new: int, max_len: int,
 class Llama(nnx.Module):
     """Decoder-only transformer. Parameters live in NNX state; jit over `nnx.split(model)`, never closure."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmul: MatmulImpl | None = None):
         self.cfg = cfg
         dt = cfg.jnp_dtype
+        self.matmul = matmul or default_impl()
         self.embed = _dense_init(rngs, (cfg.vocab_size, cfg.hidden_size), dt, scale=1.0)  # [V, D]
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, self.matmul) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         # [D, V] even when tied: XLA:CPU runs x @ W faster than x @ E.T for this shape (docs/cpu-performance.md).
         self.lm_head = nnx.Param(self.embed[...].T if cfg.tie_word_embeddings
@@ -224,7 +233,10 @@ class Llama(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[..., V] from final normed hidden states [..., D]."""
         rows = hidden.reshape(-1, hidden.shape[-1])
-        if rows.shape[0] > 1 and self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and uses_kernel(self.matmul, self.embed[...], rows.T):
+            # The kernel reads the [V, D] table row-major, as its projections read their weights.
+            out = project(self.embed[...], rows.T, self.matmul).T
+        elif rows.shape[0] > 1 and self.cfg.tie_word_embeddings:
             # Several rows: E @ h^T over the [V, D] table runs faster on XLA:CPU than h @ W (docs/cpu-performance.md).
             out = jnp.dot(self.embed[...], rows.T, preferred_element_type=jnp.float32).T
         else:
@@ -272,3 +284,16 @@ class Llama(nnx.Module):
             logits = self.logits(picked)
         new_cache = cache.replace(k=tuple(ks), v=tuple(vs))
         return ModelOutput(logits=logits, hidden=hidden, layer_hidden=tuple(saved)), new_cache
+
+
+def set_matmul(module: nnx.Module, impl: MatmulImpl) -> None:
+    """Switch every projection under `module` (a Llama, a layer, a head) to `impl`: "auto", "xla" or "ffi".
+
+    The choice is static module state, part of the graphdef: split the module again (`nnx.split`) and jit over
+    the new graphdef; functions already compiled keep the path they were traced with.
+    """
+    if impl not in ("auto", "xla", "ffi"):
+        raise ValueError(f"impl={impl!r} must be 'auto', 'xla' or 'ffi'")
+    for _, sub in nnx.iter_graph(module):
+        if isinstance(sub, (Llama, Attention, MLP)):
+            sub.matmul = impl
