@@ -14,7 +14,9 @@ blocks of D x D; EAGLE: one fc plus one decoder layer) and ships inside the repo
   f_{i+1}; the LM head turns that into the distribution of x_{i+2}. Drafting feeds its own predictions back.
 
 Heads are saved as one safetensors file (float16, half the bytes; the maths runs in float32) plus JSON
-metadata, and the ones trained for a named model are found by name (`named_head_path`).
+metadata, and the ones trained for a named model are found by name (`named_head_path`). A frequency ranking of
+the target's tokens (`save_draft_vocab`, made by `python -m jaxspec.train.draft_vocab`) lets a head draft over
+its first N ids only (`Readout.restrict`): the LM head then costs N / V of a full pass.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.cache import KVCache
+from jaxspec.target import check_config, check_readout
 
 from .config import ModelConfig
 from .llama import DecoderLayer, RMSNorm, _dense_init, visibility_mask
@@ -42,14 +45,22 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"  # shipped heads: <model>.<kind>
 
 @flax.struct.dataclass
 class Readout:
-    """The target's token embedding and LM head, the two ends every head shares with it (no copies)."""
+    """The target's token embedding and LM head, the two ends every head shares with it (no copies).
+
+    A drafting readout may score only a draft vocabulary (`restrict`): the N most frequent target tokens
+    (FR-Spec; EAGLE-3's draft-to-target map). Its LM head is then the N matching columns, logits and top-k
+    indices run over those N, and `token_ids` maps an index back to the target's id.
+    """
 
     embed: jax.Array  # [V, D]
-    lm_head: jax.Array  # [D, V]
+    lm_head: jax.Array  # [D, V], or [D, N] over a draft vocabulary
+    ids: jax.Array | None = None  # i32[N] the target id of each lm_head column; None: column j is id j
 
     @classmethod
     def of(cls, target_params) -> "Readout":
-        """From a `Llama`'s nnx state (`LanguageModel.params`)."""
+        """From a target's nnx state (`LanguageModel.params`): its `embed` [V, D] and `lm_head` [D, V]
+        (`jaxspec.target.HeadTarget`); ValueError naming what it lacks."""
+        check_readout(target_params)
         return cls(embed=target_params["embed"][...], lm_head=target_params["lm_head"][...])
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -57,10 +68,29 @@ class Readout:
         return jnp.take(self.embed, jnp.maximum(tokens, 0), axis=0)
 
     def logits(self, features: jax.Array) -> jax.Array:
-        """f32[..., V] from features [..., D], as the target's own LM head computes them."""
+        """f32[..., V] (f32[..., N] when restricted) from features [..., D], as the target's own LM head computes
+        them."""
         rows = features.reshape(-1, features.shape[-1])
         out = jnp.dot(rows, self.lm_head, preferred_element_type=jnp.float32)
         return out.reshape(features.shape[:-1] + (out.shape[-1],))
+
+    def restrict(self, ids) -> "Readout":
+        """This readout scoring only the target tokens `ids` (i32[N], distinct, in [0, V)): its LM head becomes
+        their columns [D, N], in that order. The embedding stays whole: drafted ids are fed back as target ids."""
+        ids = jnp.asarray(ids, jnp.int32)
+        return self.replace(lm_head=jnp.take(self.lm_head, ids, axis=1), ids=ids)
+
+    def token_ids(self, index: jax.Array) -> jax.Array:
+        """i32[...] target ids of logits columns `index` i32[...] (the identity over the full vocabulary)."""
+        return index if self.ids is None else jnp.take(self.ids, index)
+
+    def full_vocab(self, probs: jax.Array) -> jax.Array:
+        """f32[..., V] from a distribution over the logits columns f32[..., N]: each column's mass at its target
+        id, exactly zero at every id outside the draft vocabulary (the probability the draft gives it)."""
+        if self.ids is None:
+            return probs
+        full = jnp.zeros(probs.shape[:-1] + (self.embed.shape[0],), probs.dtype)
+        return full.at[..., self.ids].set(probs, unique_indices=True)
 
 
 class MedusaHeads(nnx.Module):
@@ -127,10 +157,12 @@ class EagleHead(nnx.Module):
 
 
 def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int = 0):
-    """A freshly initialised head of `kind` for a target of config `cfg`."""
+    """A freshly initialised head of `kind` for a target of config `cfg` (ValueError naming a field it lacks)."""
     if kind == "medusa":
+        check_config(cfg, "medusa")  # the heads are sized from cfg.hidden_size
         return MedusaHeads(cfg, num_heads)
     if kind == "eagle":
+        check_config(cfg, "eagle")  # the head is a Llama decoder layer sized from the target's config
         return EagleHead(cfg, rngs=nnx.Rngs(seed))
     raise ValueError(f"head kind={kind!r} must be 'medusa' or 'eagle'")
 
@@ -192,3 +224,72 @@ def named_head_path(model_name: str, kind: HeadKind) -> Path:
         raise ValueError(f"no shipped {kind} head for model {model_name!r} (shipped: {shipped}); "
                          f"train one with `python -m jaxspec.train.{kind}` and pass its path")
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# draft vocabularies
+# --------------------------------------------------------------------------------------------
+
+DRAFT_VOCAB_KIND = "draft_vocab"  # the `kind` a draft-vocabulary file declares
+DRAFT_VOCAB_SUFFIX = ".draft_vocab.json"
+
+
+def save_draft_vocab(path: str | Path, ids, *, vocab_size: int, metadata: dict[str, Any] | None = None) -> Path:
+    """Write a ranking of target token ids (most useful first; distinct, in [0, vocab_size)) and how it was made.
+
+    The metadata is indented for reading; the ids go on one line (a whole vocabulary is ~50k of them).
+    """
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    _check_ranking(ids, vocab_size, str(path))
+    head = {"kind": DRAFT_VOCAB_KIND, "vocab_size": int(vocab_size), "num_ids": len(ids), **(metadata or {})}
+    text = json.dumps(head, indent=2)
+    text = text[: text.rindex("}")].rstrip() + ',\n  "ids": ' + json.dumps(ids, separators=(",", ":")) + "\n}\n"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _check_ranking(ids: list[int], vocab_size: int, where: str) -> None:
+    if not ids:
+        raise ValueError(f"draft vocabulary {where!r} holds no token ids")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise ValueError(f"draft vocabulary {where!r} holds token id {bad} outside [0, {vocab_size})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"draft vocabulary {where!r} repeats token ids: each column must map to its own id")
+
+
+def load_draft_vocab(path: str | Path, vocab_size: int) -> np.ndarray:
+    """i32[R] the ranked target ids of a file written by `save_draft_vocab`, for a target of `vocab_size`
+    tokens; ValueError when it was made for another vocabulary size or is malformed."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"draft vocabulary {str(path)!r} cannot be read: {e}") from e
+    if not isinstance(data, dict) or data.get("kind") != DRAFT_VOCAB_KIND or not isinstance(data.get("ids"), list):
+        raise ValueError(f"{str(path)!r} is not a draft vocabulary (python -m jaxspec.train.draft_vocab writes them)")
+    if data.get("vocab_size") != vocab_size:
+        raise ValueError(f"draft vocabulary {str(path)!r} was made for vocab_size={data.get('vocab_size')!r}; "
+                         f"this model has {vocab_size}")
+    ids = data["ids"]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"draft vocabulary {str(path)!r}: ids must be integers")
+    _check_ranking(ids, vocab_size, str(path))
+    return np.asarray(ids, np.int32)
+
+
+def draft_vocab_path(head_file: str | Path, model_name: str) -> Path:
+    """The ranking a head drafts over with `SpecConfig(draft_vocab=N)`: `<head>.draft_vocab.json` beside the
+    head file when there is one (your own head), else the one shipped for the named model
+    (models/weights/<model>.draft_vocab.json); ValueError naming both when neither exists."""
+    beside = _weights_file(head_file).with_suffix(DRAFT_VOCAB_SUFFIX)
+    if beside.exists():
+        return beside
+    shipped = WEIGHTS_DIR / f"{model_name}{DRAFT_VOCAB_SUFFIX}"
+    if Path(model_name).name == model_name and shipped.exists():  # a model loaded from a path has no shipped one
+        return shipped
+    raise ValueError(f"draft_vocab needs a token ranking: none beside the head ({str(beside)!r}) and none shipped "
+                     f"for model {model_name!r}; write one with `python -m jaxspec.train.draft_vocab --model ... "
+                     f"--out {str(beside)}`")
