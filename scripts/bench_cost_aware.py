@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Cost-aware verify widths against the fixed rule, side by side, on held-out prompts (default model).
+
+`SpecConfig(method="sam")` verifies each step at the narrowest compiled width holding the batch's longest
+draft; `SpecConfig(method="sam", cost_aware=True)` measures the cost c(w) of each width for the batch's shapes
+and runs the width maximising expected committed tokens per unit of cost from each row's running acceptance
+(jaxspec.cost). Both against plain decoding, greedy, interleaved over `--repeats` rounds, on the HumanEval
+prompts held out from head training, completed as code ("held-out") and asked about in a chat ("chat").
+Outputs must be identical to plain decoding's; the table reports decode tokens/s relative to `none`
+(median over rounds), mean acceptance length and the c(w) table measured.
+
+    python scripts/bench_cost_aware.py                       # batch 1 and 8, 8 prompts per workload
+    python scripts/bench_cost_aware.py --batches 1 --limit 4 --new-tokens 64 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jaxspec
+from benchkit import machine, tables, workloads
+from benchkit.acceptance import pooled_acceptance_length
+from benchkit.timing import interleave
+from jaxspec import SamplingParams, SpecConfig, cost
+
+CONFIGS = {
+    "none": SpecConfig(),
+    "sam": SpecConfig(method="sam"),
+    "sam cost-aware": SpecConfig(method="sam", cost_aware=True),
+}
+CHAT_ASK = "Here is the start of a Python function. Explain what it must do, then write the whole function.\n\n"
+
+
+def prompts_for(workload: str, tokenizer, limit: int) -> list[list[int]]:
+    texts = workloads.held_out_texts(limit)
+    if workload == "held-out":
+        return [tokenizer.encode(t) for t in texts]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": CHAT_ASK + t}], add_generation_prompt=True)
+            for t in texts]
+
+
+def batches_of(prompts: list, size: int) -> list[list]:
+    return [prompts[i: i + size] for i in range(0, len(prompts) - size + 1, size)] or [prompts]
+
+
+def run(lm, batch: list, spec: SpecConfig, new_tokens: int):
+    out = jaxspec.generate(lm, batch, max_new_tokens=new_tokens, sampling=SamplingParams(temperature=0.0),
+                           spec=spec)
+    return out.token_ids, out.stats
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="held-out,chat")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--limit", type=int, default=8, help="prompts per workload (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    lm = jaxspec.load_model()
+    print(machine.line(machine.info()))
+    print(f"greedy, {args.new_tokens} new tokens, {args.limit} prompts per workload, median of {args.repeats} "
+          f"interleaved rounds; tokens/s relative to none\n")
+    rows = []
+    for workload in args.workloads.split(","):
+        prompts = prompts_for(workload, lm.tokenizer, args.limit)
+        for size in (int(b) for b in args.batches.split(",")):
+            groups = batches_of(prompts, size)
+            calls = {name: (lambda spec=spec, groups=groups: [run(lm, g, spec, args.new_tokens) for g in groups])
+                     for name, spec in CONFIGS.items()}
+            samples = interleave(calls, args.repeats, alternate=True)
+            rates = {name: [sum(sum(len(t) for t in ids) - len(ids) for ids, _ in r) /
+                            sum(s.decode_s for _, s in r) for r in runs] for name, runs in samples.items()}
+            plain = statistics.median(rates["none"])
+            reference = [ids for ids, _ in samples["none"][0]]
+            for name, runs in samples.items():
+                same = all([ids for ids, _ in r] == reference for r in runs)
+                rows.append((workload, size, name, f"{statistics.median(rates[name]):.1f}",
+                             f"{statistics.median(rates[name]) / plain:.3f}",
+                             tables.fmt(pooled_acceptance_length(s for _, s in runs[0])), "yes" if same else "NO"))
+    print(tables.markdown(("workload", "batch", "config", "tokens/s", "vs none", "acceptance", "same output"), rows))
+    print("\nc(w) measured for the cost-aware runs (plain steps per forward at each verify width):")
+    for t in cost.measured():
+        print(f"  batch {t['batch']}, cache {t['cache_len']}, {t['cached']} cached: "
+              + ", ".join(f"c({w})={c:.2f}" for w, c in zip(t["widths"], t["costs"])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
