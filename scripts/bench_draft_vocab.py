@@ -30,13 +30,12 @@ import json
 import os
 import statistics
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 
 import jaxspec
-from benchkit import machine, tables, workloads
+from benchkit import machine, output, tables, workloads
 from benchkit.acceptance import pooled_acceptance_length
 from benchkit.timing import clocked, interleave, timer
 from jaxspec import SamplingParams, SpecConfig
@@ -221,18 +220,9 @@ def main(argv=None) -> int:
         _release_programs()
     if "acceptance" in parts:
         report["acceptance"] = acceptance(lm, prompts, sizes, args.rounds, args.new_tokens)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_draft_vocab.json").write_text(json.dumps(report, indent=1))
-    text = markdown(report)
-    (out / "bench_draft_vocab.md").write_text(text)
-    print(text)
-    failed = [name for block in report.get("acceptance", {}).values() for name, r in block["runs"].items()
-              if r.get("same_as_none") is False]
-    if failed:
-        print(f"greedy outputs differ from none: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    output.write(args.out_dir, "bench_draft_vocab", report, markdown(report))
+    return output.exit_status([name for block in report.get("acceptance", {}).values()
+                               for name, r in block["runs"].items() if r.get("same_as_none") is False])
 
 
 if __name__ == "__main__":

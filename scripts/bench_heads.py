@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
-from pathlib import Path
 
 import jaxspec
-from benchkit import machine, tables, workloads
+from benchkit import machine, output, tables, workloads
 from benchkit.acceptance import pooled_acceptance_length
 from benchkit.timing import repeat
 from jaxspec import SamplingParams, SpecConfig
@@ -139,17 +137,9 @@ def main(argv=None) -> int:
             else:
                 b["max_acceptance"] = max(b["max_acceptance"], r["mean_acceptance_length"])
         report["best"][str(temp)] = best
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_heads.json").write_text(json.dumps(report, indent=1))
-    text = markdown(report)
-    (out / "bench_heads.md").write_text(text)
-    print(text)
-    failed = [label for rows in report["runs"].values() for label, r in rows.items() if r.get("same_as_none") is False]
-    if failed:
-        print(f"greedy outputs differ from none: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    output.write(args.out_dir, "bench_heads", report, markdown(report))
+    return output.exit_status([label for rows in report["runs"].values() for label, r in rows.items()
+                               if r.get("same_as_none") is False])
 
 
 if __name__ == "__main__":
