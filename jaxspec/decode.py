@@ -43,6 +43,10 @@ class RowLimits:
 
     max_new_tokens: jax.Array  # i32[B]  at least 1
     stop_ids: jax.Array  # i32[B, M]  token ids that end the row (EOS and user stop ids), -1 padded
+    # i32[B]: the most drafts a row may score per step, below the proposer's K (None: K). Data, not a static
+    # setting, so a caller can turn speculation down or off between chunks without recompiling (rollouts do
+    # as rows finish and the verify cost of the shrinking batch changes).
+    draft_cap: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -147,42 +151,55 @@ def _is_stop(tokens: jax.Array, limits: RowLimits) -> jax.Array:
 def _context(state: DecodeState, sampling: SamplingParams, limits: RowLimits, k: int) -> Context:
     # A row may draft at most one token fewer than it still may emit: the target adds one token of its own.
     room = limits.max_new_tokens - state.num_generated - 1
-    max_draft = jnp.where(state.done, 0, jnp.clip(room, 0, k))
+    cap = k if limits.draft_cap is None else jnp.clip(limits.draft_cap, 0, k)
+    max_draft = jnp.where(state.done, 0, jnp.clip(room, 0, cap))
     return Context(history=state.history, history_len=state.history_len, max_draft=max_draft, sampling=sampling,
                    positions=state.cache.lengths, active=~state.done)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len", "num_top_logprobs"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len", "num_top_logprobs",
+                                             "group_size"))
 def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams,
-            limits: RowLimits, proposer_params=None, logprob_rows: jax.Array | None = None, *,
-            proposer: Proposer = NoProposer(), cache_len: int, buffer_len: int,
-            num_top_logprobs: int = 0) -> DecodeState:
-    """Run the prompts (right-padded i32[B, P], true lengths i32[B]), sample each row's first token and
+            limits: RowLimits, proposer_params=None, logprob_rows: jax.Array | None = None,
+            logprobs_processed: jax.Array | None = None, *, proposer: Proposer = NoProposer(), cache_len: int,
+            buffer_len: int, num_top_logprobs: int = 0, group_size: int = 1) -> DecodeState:
+    """Run the prompts (right-padded i32[P, W], true lengths i32[P]), sample each row's first token and
     initialise the proposer.
 
-    With `logprob_rows` (bool[B]) the state records the target's log-probability of every token the marked
-    rows generate, and the `num_top_logprobs` most likely tokens at each position (`jaxspec.logprobs`).
+    With `group_size` G > 1 each prompt starts G consecutive rows (B = P * G: row p * G + g is sample g of
+    prompt p): the prompt runs through the target once and its K/V is copied into the group's rows, which then
+    sample their first tokens with their own seeds. `sampling`, `limits` and the logprob arrays have B rows.
+
+    With `logprob_rows` (bool[B]) the state records the log-probability of every token the marked rows
+    generate, and the `num_top_logprobs` most likely tokens at each position (`jaxspec.logprobs`): under the
+    target's raw distribution, or, for rows marked in `logprobs_processed` (bool[B]), under the distribution the
+    row samples from (after temperature, top-k, top-p, min-p).
 
     Padding tokens write K/V past a row's length; the length never covers them, so they are overwritten.
     """
     model = nnx.merge(graphdef, params)
-    batch, width = prompts.shape
-    cache = model.new_cache(batch, cache_len)
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    num_prompts, width = prompts.shape
+    cache = model.new_cache(num_prompts, cache_len)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_prompts, width))
     # Prefill keeps the XLA attention: the kernel is built for the few new tokens of a verification step.
     out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla",
                        cached_slots=0)
     # (out.hidden holds every prompt position's feature, which EAGLE and Medusa heads start from.)
+    logits, hidden = out.logits, out.hidden
+    if group_size > 1:  # one forward per prompt, its cache and outputs copied into the group's rows
+        logits, hidden, prompts, prompt_lens, cache = jax.tree.map(
+            lambda x: jnp.repeat(x, group_size, axis=0), (logits, hidden, prompts, prompt_lens, cache))
+    batch = prompts.shape[0]
     cache = cache.advance(prompt_lens)
-    first = sample(row_keys(sampling.seed, cache.lengths), out.logits[:, 0], sampling)
+    first = sample(row_keys(sampling.seed, cache.lengths), logits[:, 0], sampling)
     history = jnp.zeros((batch, width + buffer_len), jnp.int32).at[:, :width].set(prompts)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
     done = _is_stop(first, limits) | (limits.max_new_tokens <= 1)
     logprobs = None
     if logprob_rows is not None:
-        logprobs = lp.LogprobBuffer.zeros(logprob_rows, width + buffer_len, num_top_logprobs)
+        logprobs = lp.LogprobBuffer.zeros(logprob_rows, width + buffer_len, num_top_logprobs, logprobs_processed)
         scored = lp.record(logprobs, jnp.ones((batch,), bool),
-                           lambda: lp.score(out.logits, first[:, None], num_top_logprobs))
+                           lambda: lp.score(logits, first[:, None], num_top_logprobs, sampling, logprobs.processed))
         logprobs = lp.write(logprobs, prompt_lens[:, None], scored)
     state = DecodeState(cache=cache, history=history, history_len=prompt_lens + 1, prompt_len=prompt_lens,
                         from_draft=jnp.zeros(history.shape, bool), done=done, steps=jnp.zeros((), jnp.int32), pstate=(),
@@ -191,7 +208,7 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     k = proposer.num_speculative_tokens
     ctx = _context(state, sampling, limits, k)
     if proposer.needs_features:
-        ctx = ctx.replace(features=out.hidden)
+        ctx = ctx.replace(features=hidden)
     return state.replace(pstate=proposer.init(proposer_params, ctx))
 
 
@@ -219,12 +236,14 @@ def _verified(tokens: jax.Array, num: jax.Array, cache: KVCache, features: jax.A
     return Verified(tokens=tokens, num=num, cache=cache, features=features, logprobs=logprobs)
 
 
-def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, k: int) -> lp.Scored | None:
+def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, sampling: SamplingParams,
+                 k: int) -> lp.Scored | None:
     """The log-probabilities of output tokens i32[B, W] under `logits_fn()` f32[B, W, V], padded to K + 1."""
     buffer = state.logprobs
     if buffer is None:
         return None
-    scored = lp.record(buffer, ~state.done, lambda: lp.score(logits_fn(), tokens, buffer.num_top))
+    scored = lp.record(buffer, ~state.done,
+                       lambda: lp.score(logits_fn(), tokens, buffer.num_top, sampling, buffer.processed))
     return scored.pad(k + 1)
 
 
@@ -241,7 +260,7 @@ def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft:
     # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
     tokens, num = rejection_sample(keys, out.logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
                                    positions=cache.lengths + 1)
-    scored = _logprobs_of(state, lambda: out.logits, tokens, k)
+    scored = _logprobs_of(state, lambda: out.logits, tokens, sampling, k)
     return _verified(tokens, num, cache, out.hidden if want_features else None, scored, k)
 
 
@@ -274,7 +293,7 @@ def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: j
                           v=tuple(gather_path(b, cache.lengths, path) for b in cache.v))
     features = gather_nodes(out.hidden, path) if want_features else None
     # Output token j was drawn from the logits of path node j (the root first).
-    scored = _logprobs_of(state, lambda: gather_nodes(out.logits, path), out_tokens, k)
+    scored = _logprobs_of(state, lambda: gather_nodes(out.logits, path), out_tokens, sampling, k)
     return _verified(out_tokens, num, cache, features, scored, k)
 
 

@@ -1,9 +1,13 @@
 """The target's log-probabilities of the tokens rows commit (OpenAI's `logprobs`), recorded inside the loop.
 
 Each committed token came from the target's logits at its position: plain decoding's one-token forward, a
-chain's verify forward, or a tree node's row of the tree forward. The values are those logits' own
+chain's verify forward, or a tree node's row of the tree forward. By default the values are those logits' own
 log-softmax, before temperature, top-k, top-p or min-p shape them ("raw" log-probabilities, vLLM's default),
-so they describe the model whatever the sampling setting and whichever proposer drafted the token.
+so they describe the model whatever the sampling setting and whichever proposer drafted the token. A row marked
+`processed` records the log-softmax of the processed logits instead (`jaxspec.sampling.process_logits`): the
+log-probability under the distribution the token was actually drawn from, which a policy-gradient loss needs
+(`jaxspec.rollout`). Lossless verification commits tokens with exactly that distribution, so both modes mean
+the same under speculation as under plain decoding.
 
 The buffers sit beside `DecodeState.history` (slot i holds the values of history token i) and are filled
 only while some active row asked for them: `record` skips the log-sum-exp and the top-L search otherwise.
@@ -20,6 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .config import SamplingParams
+from .sampling import process_logits
+
 
 @flax.struct.dataclass
 class LogprobBuffer:
@@ -27,13 +34,16 @@ class LogprobBuffer:
     token: jax.Array  # f32[B, H]  log p(history[b, i] | history[b, :i]); 0 at prompt slots
     top_ids: jax.Array  # i32[B, H, L]  the L most likely tokens at slot i, most likely first
     top: jax.Array  # f32[B, H, L]  their log-probabilities
+    processed: jax.Array  # bool[B]  rows recording the sampling distribution's values instead of the raw ones
 
     @classmethod
-    def zeros(cls, wanted: jax.Array, history_len: int, num_top: int) -> "LogprobBuffer":
+    def zeros(cls, wanted: jax.Array, history_len: int, num_top: int,
+              processed: jax.Array | None = None) -> "LogprobBuffer":
         batch = wanted.shape[0]
+        processed = jnp.zeros((batch,), bool) if processed is None else jnp.asarray(processed, bool)
         return cls(wanted=wanted, token=jnp.zeros((batch, history_len), jnp.float32),
                    top_ids=jnp.zeros((batch, history_len, num_top), jnp.int32),
-                   top=jnp.zeros((batch, history_len, num_top), jnp.float32))
+                   top=jnp.zeros((batch, history_len, num_top), jnp.float32), processed=processed)
 
     @property
     def num_top(self) -> int:
@@ -58,9 +68,16 @@ class Scored:
         return Scored(token=pad(self.token), top_ids=pad(self.top_ids), top=pad(self.top))
 
 
-def score(logits: jax.Array, tokens: jax.Array, num_top: int) -> Scored:
-    """Log-probabilities of `tokens` i32[B, W] (-1: none) under `logits` f32[B, W, V], and the top `num_top`."""
+def score(logits: jax.Array, tokens: jax.Array, num_top: int, sampling: SamplingParams | None = None,
+          processed: jax.Array | None = None) -> Scored:
+    """Log-probabilities of `tokens` i32[B, W] (-1: none) under `logits` f32[B, W, V], and the top `num_top`;
+    rows marked in `processed` (bool[B], with their `sampling` arrays [B]) score under the processed logits."""
     logits = logits.astype(jnp.float32)
+    if processed is not None:
+        # The processing (a vocabulary sort for top-k/top-p) runs only when some row asks for it.
+        logits = jax.lax.cond(jnp.any(processed),
+                              lambda z: jnp.where(processed[:, None, None], process_logits(z, sampling), z),
+                              lambda z: z, logits)
     norm = jax.nn.logsumexp(logits, axis=-1)  # f32[B, W]
     chosen = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0] - norm
     if num_top:

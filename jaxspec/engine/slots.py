@@ -3,7 +3,8 @@
 A batch of B rows ("slots") lives on the device as one `DecodeState` whose every array leads with B (the loop's
 step counter, a scalar, excepted). Rows come and go without recompiling anything:
 
-- `empty_state(row, n)`: n finished copies of a one-row state, the batch no request holds yet;
+- `empty_state(row, n)`: n finished copies of a one-row state, the batch no request holds yet (`empty_like`:
+  the same from any batch's row 0);
 - `insert(state, row, slot)`: a freshly prefilled one-row state written into row `slot`, in place;
 - `regroup(state, keep, empty)`: rows `keep` of `state`, in that order, moved to the front of a batch of any
   other size (compaction when rows finished, growth when more are needed);
@@ -13,7 +14,9 @@ step counter, a scalar, excepted). Rows come and go without recompiling anything
 
 A row's outputs do not depend on where it sits: decoding a regrouped batch commits, row for row, the tokens
 the original batch would have (tests/test_engine_slots.py). Every state here must come from `prefill` with the
-same cache length, buffer and proposer, so that rows have one shape.
+same cache length, buffer and proposer, so that rows have one shape. Proposer state wrapped in `BatchShared`
+(a rollout group's automaton) belongs to the batch, not to a row: every operation keeps it whole, the
+destination's own for `insert`, the source's for `regroup` and `empty_state`.
 """
 
 from __future__ import annotations
@@ -28,13 +31,29 @@ import jax.numpy as jnp
 from ..config import SamplingParams
 from ..decode import DecodeState, RowLimits
 from ..limits import stop_table
+from ..proposers.base import BatchShared
+
+
+def _map_rows(fn, *states):
+    """jax.tree.map of fn over per-row leaves; a `BatchShared` subtree (and the scalar step counter) is passed
+    to fn whole, as the first state's."""
+    return jax.tree.map(lambda x, *rest: x if isinstance(x, BatchShared) else fn(x, *rest), *states,
+                        is_leaf=lambda x: isinstance(x, BatchShared))
 
 
 @functools.partial(jax.jit, static_argnames=("n",))
 def empty_state(row: DecodeState, n: int) -> DecodeState:
     """n copies of the one-row state `row`, every one marked done (its step counter kept)."""
-    state = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, n, axis=0), row)
+    state = _map_rows(lambda x: x if x.ndim == 0 else jnp.repeat(x, n, axis=0), row)
     return state.replace(done=jnp.ones((n,), bool))
+
+
+@functools.partial(jax.jit, static_argnames=("n",))
+def empty_like(state: DecodeState, n: int) -> DecodeState:
+    """n finished rows shaped like the rows of `state` (copies of its row 0), its batch-shared state and step
+    counter kept: the `empty` a compaction regroups into."""
+    empty = _map_rows(lambda x: x if x.ndim == 0 else jnp.repeat(x[:1], n, axis=0), state)
+    return empty.replace(done=jnp.ones((n,), bool))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -46,17 +65,17 @@ def insert(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState
             return big  # the loop's step counter
         return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
 
-    return jax.tree.map(put, state, row)
+    return _map_rows(put, state, row)
 
 
 @functools.partial(jax.jit, donate_argnames=("empty",))
 def _regroup(state: DecodeState, empty: DecodeState, keep: jax.Array) -> DecodeState:
-    def put(new, old):
+    def put(old, new):
         if new.ndim == 0:
             return old  # the step counter goes on from `state`'s
         return jax.lax.dynamic_update_slice_in_dim(new, jnp.take(old, keep, axis=0).astype(new.dtype), 0, axis=0)
 
-    return jax.tree.map(put, empty, state)
+    return _map_rows(put, state, empty)  # batch-shared state: `state`'s
 
 
 def regroup(state: DecodeState, keep: Sequence[int] | jax.Array, empty: DecodeState) -> DecodeState:

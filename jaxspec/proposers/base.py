@@ -42,6 +42,15 @@ class Draft:
 
 
 @flax.struct.dataclass
+class BatchShared:
+    """Proposer state that belongs to the whole batch rather than to one row: its arrays do not lead with B
+    (a rollout group's suffix automaton, shared by the group's rows). The slot operations that move, copy and
+    drop rows (`jaxspec.engine.slots`) keep it whole; rows refer into it with per-row state of their own."""
+
+    value: Any
+
+
+@flax.struct.dataclass
 class Context:
     """What a proposer may read about each row."""
 
