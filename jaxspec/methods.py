@@ -22,6 +22,7 @@ from .models.loading import LanguageModel
 from .proposers.base import Proposer
 from .proposers.draft_model import DraftModelProposer, self_draft_model
 from .proposers.eagle import EagleProposer
+from .proposers.group_sam import GroupSamProposer
 from .proposers.medusa import MedusaProposer
 from .proposers.ngram import NgramProposer
 from .proposers.sam import SamProposer
@@ -34,11 +35,13 @@ MethodKind = Literal["plain", "lookup", "model", "head", "custom"]
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-    """The static shapes a proposer is built for: prompt width P, output buffer N, cache slots S."""
+    """The static shapes a proposer is built for: prompt width P, output buffer N, cache slots S, and the rows
+    per group G (samples of one prompt, consecutive in the batch; 1 outside rollouts)."""
 
     prompt_width: int
     buffer_len: int
     cache_len: int
+    group_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,12 @@ def _build_sam(lm, spec, shapes):
     return SamProposer(spec.num_speculative_tokens, max_text_len=shapes.prompt_width + shapes.buffer_len,
                        source=spec.sam_source, min_match=spec.min_match,
                        draft_per_match=spec.draft_per_match), spec.static_sam
+
+
+def _build_group_sam(lm, spec, shapes):
+    return GroupSamProposer(spec.num_speculative_tokens, group_size=shapes.group_size,
+                            prompt_width=shapes.prompt_width, buffer_len=shapes.buffer_len, min_match=spec.min_match,
+                            draft_per_match=spec.draft_per_match), None
 
 
 def _build_draft_model(lm, spec, shapes):
@@ -217,6 +226,11 @@ _ALL = (
     Method("sam", "lookup", "suffix automaton over the row's text (and a static corpus): adaptive draft length",
            _build_sam, served=True, defaults=_defaults(num_speculative_tokens=16, min_match=4, draft_per_match=1.0,
                                                        verify_widths=(1, 9, 17))),
+    # Rollouts (jaxspec.rollout): a row drafts from every sample of its prompt. Verify widths 3 and 5 let the
+    # rollout's tail policy speculate a little at batch sizes where width 9 does not pay yet.
+    Method("group_sam", "lookup", "suffix automaton over every sample of the row's prompt group (rollouts)",
+           _build_group_sam, defaults=_defaults(num_speculative_tokens=8, min_match=2, draft_per_match=math.inf,
+                                                verify_widths=(1, 3, 5, 9))),
     Method("draft_model", "model", "an independent small model of the same vocabulary drafts a chain",
            _build_draft_model, defaults=_defaults(num_speculative_tokens=3, min_match=1, draft_per_match=math.inf)),
     Method("self_draft", "model", "the target's first layers with its final norm and LM head draft a chain",
@@ -252,8 +266,8 @@ def get(name: str) -> Method:
     return METHODS[name]
 
 
-def build_proposer(lm: LanguageModel, spec, *, prompt_width: int, buffer_len: int,
-                   cache_len: int) -> tuple[Proposer, Any]:
+def build_proposer(lm: LanguageModel, spec, *, prompt_width: int, buffer_len: int, cache_len: int,
+                   group_size: int = 1) -> tuple[Proposer, Any]:
     """The proposer (static settings) and its params (a pytree passed to the device) for `spec` (a SpecConfig)
-    over batches of the given shapes."""
-    return get(spec.method).build(lm, spec, Shapes(prompt_width, buffer_len, cache_len))
+    over batches of the given shapes (`group_size` consecutive rows per prompt group)."""
+    return get(spec.method).build(lm, spec, Shapes(prompt_width, buffer_len, cache_len, group_size))

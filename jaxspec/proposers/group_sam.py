@@ -1,0 +1,120 @@
+"""Grouped suffix-automaton drafting (`SpecConfig(method="group_sam")`): a row drafts from its whole group.
+
+An RL rollout samples G completions of each prompt, and the G samples of one prompt resemble each other far
+more than any corpus does: where one sample writes what a sibling wrote before, the sibling's continuation is
+a good draft. One generalized suffix automaton per group (`group_automaton.GroupAutomaton`) holds the prompt,
+every sample's committed tokens (each sample extends its own string as it commits, so siblings are visible
+while they are being written) and optional reference completions of the prompt (an earlier rollout's
+samples). A row drafts what followed an occurrence, anywhere in its group, of the longest suffix of its own
+text that has a continuation.
+
+Layout. Rows p * G .. p * G + G - 1 of the batch `init` sees form group p: the layout `prefill(group_size=G)`
+produces. Each row keeps its (group, string) indices as per-row state, and the groups' automata are
+`BatchShared`, so the slot operations of `jaxspec.engine.slots` can compact, move or drop rows (a rollout's
+long tail) while every group's automaton stays whole. With G = 1 every row is its own group: per-row suffix
+automaton drafting, as `method="sam"` with a dynamic source.
+
+Drafts are deterministic (`Draft.probs` None): verification judges them by the target alone, so output is
+lossless and a seeded run commits exactly the tokens of plain decoding. A group whose automaton fills up
+(its capacity is `max_tokens`) stops drafting; decoding goes on unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from . import group_automaton as ga_lib
+from .base import BatchShared, ChainProposer, Committed, Context, Draft, lookup_draft_count
+
+
+@flax.struct.dataclass
+class GroupReferences:
+    """Earlier completions of each prompt, used only as draft material (the proposer's params)."""
+
+    tokens: jax.Array  # i32[P, R, L]  R completions per prompt, right-padded
+    lengths: jax.Array  # i32[P, R]  their lengths (0: no completion in that place)
+
+
+@flax.struct.dataclass
+class GroupSamState:
+    group: jax.Array  # i32[B]  the row's group (its prompt)
+    string: jax.Array  # i32[B]  the row's own string in its group's automaton (its sample index)
+    automata: BatchShared  # GroupAutomaton of every group, leading axis P (not B)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSamProposer(ChainProposer):
+    """Drafting from the group's generalized suffix automaton; params: `GroupReferences` or None."""
+
+    num_speculative_tokens: int  # K
+    group_size: int  # G: consecutive rows per group at init
+    prompt_width: int  # P_w: the prompt bucket (every string starts with its group's prompt)
+    buffer_len: int  # the most tokens a sample commits (its output buffer)
+    min_match: int = 2  # propose nothing below this matched suffix length
+    draft_per_match: float | None = None  # at most ceil(draft_per_match * match_len) drafts
+    max_tokens: int | None = None  # tokens one group's automaton holds; None: all it can ever be given
+
+    def __post_init__(self):
+        for name in ("num_speculative_tokens", "group_size", "prompt_width", "buffer_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be None or >= 1")
+
+    def capacity(self, num_references: int = 0, reference_len: int = 0) -> int:
+        """Tokens one group's automaton must hold for everything: the prompt, every sample's output, the
+        references (or `max_tokens` when set)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return self.prompt_width + self.group_size * self.buffer_len + num_references * reference_len
+
+    def automaton_bytes(self, num_references: int = 0, reference_len: int = 0) -> int:
+        """Device bytes of one group's automaton (`GroupAutomaton.create`'s tables)."""
+        return ga_lib.GroupAutomaton.nbytes(self.group_size + num_references,
+                                            self.prompt_width + max(self.buffer_len, reference_len),
+                                            max_tokens=self.capacity(num_references, reference_len))
+
+    def init(self, params: GroupReferences | None, ctx: Context) -> GroupSamState:
+        """Each group's automaton: its prompt once, the references, then each row's first token."""
+        batch = ctx.history.shape[0]
+        g = self.group_size
+        if batch % g:
+            raise ValueError(f"a batch of {batch} rows is not whole groups of group_size={g}")
+        num_groups = batch // g
+        num_refs, ref_len = (0, 0) if params is None else params.tokens.shape[1:]
+        if params is not None and params.tokens.shape[0] != num_groups:
+            raise ValueError(f"references for {params.tokens.shape[0]} prompts; the batch has {num_groups} groups")
+        automata = ga_lib.GroupAutomaton.create(num_groups, g + num_refs,
+                                                self.prompt_width + max(self.buffer_len, ref_len),
+                                                max_tokens=self.capacity(num_refs, ref_len))
+        leaders = slice(None, None, g)  # row p * G, the group's first sample: its prompt is the group's
+        # At init each row holds its prompt and the first token prefill sampled.
+        automata = ga_lib.start(automata, ctx.history[leaders].astype(jnp.int32),
+                                (ctx.history_len[leaders] - 1).astype(jnp.int32))
+        for j in range(num_refs):
+            automata = ga_lib.extend_groups(automata, jnp.full((num_groups,), g + j, jnp.int32),
+                                            params.tokens[:, j].astype(jnp.int32),
+                                            params.lengths[:, j].astype(jnp.int32))
+        rows = jnp.arange(batch, dtype=jnp.int32)
+        group, string = rows // g, rows % g
+        first = jnp.take_along_axis(ctx.history, (ctx.history_len - 1)[:, None], axis=1).astype(jnp.int32)
+        automata = ga_lib.extend_rows(automata, group, string, first, jnp.ones((batch,), jnp.int32))
+        return GroupSamState(group=group, string=string, automata=BatchShared(automata))
+
+    def propose(self, params, pstate: GroupSamState, ctx: Context, keys: jax.Array) -> tuple[Draft, GroupSamState]:
+        """The continuation of the longest suffix of each row's text seen with one anywhere in its group."""
+        k = self.num_speculative_tokens
+        tokens, match_len, available = ga_lib.draft_rows(pstate.automata.value, pstate.group, pstate.string, k)
+        num_draft = lookup_draft_count(match_len, available, ctx.max_draft, k, self.min_match, self.draft_per_match)
+        tokens = jnp.where(jnp.arange(k) < num_draft[:, None], tokens, 0).astype(jnp.int32)
+        return Draft(tokens=tokens, num_draft=num_draft, probs=None, match_len=match_len.astype(jnp.int32)), pstate
+
+    def update(self, params, pstate: GroupSamState, ctx: Context, committed: Committed) -> GroupSamState:
+        """Each row's string extended by committed.tokens[b, :committed.num[b]] (siblings one at a time)."""
+        automata = ga_lib.extend_rows(pstate.automata.value, pstate.group, pstate.string,
+                                      committed.tokens.astype(jnp.int32), committed.num.astype(jnp.int32))
+        return pstate.replace(automata=BatchShared(automata))
