@@ -3,7 +3,8 @@
 The public API: load a model, generate (plainly or speculatively), and the pieces researchers compose
 (sampling, rejection sampling, proposers, cache, models). The loop `generate` runs is public too: `prepare`
 builds its inputs from plain prompts, `prefill`, `decode` (or `decode_chunk`, or `spec_step` in a loop of your
-own) run it, and `Prepared.new_tokens` reads the result (docs/how-to/own-loop.md).
+own) run it, and `Prepared.new_tokens` reads the result (docs/how-to/own-loop.md). `rollout` samples groups
+of completions per prompt for RL (`jaxspec.rollouts`).
 """
 
 from .cache import KVCache
@@ -14,6 +15,7 @@ from .logprobs import TokenLogprob
 from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_model
 from .proposers import StaticSuffixAutomaton
 from .rejection import rejection_sample
+from .rollouts import RolloutResult, RolloutStats, rollout, sample_seeds
 from .sampling import process_logits, processed_probs, sample
 from .target import TargetModel, check_target
 from .tree import TreeTopology, verify_tree
@@ -27,6 +29,8 @@ __all__ = [
     "LanguageModel",
     "NAMED_MODELS",
     "Prepared",
+    "RolloutResult",
+    "RolloutStats",
     "RowLimits",
     "RowStats",
     "SamplingParams",
@@ -44,6 +48,8 @@ __all__ = [
     "prepare",
     "process_logits",
     "rejection_sample",
+    "rollout",
+    "sample_seeds",
     "processed_probs",
     "sample",
     "spec_step",

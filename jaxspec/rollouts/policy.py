@@ -1,0 +1,98 @@
+"""When a rollout speculates: a draft cap per chunk from the measured verify cost and the measured acceptance.
+
+A rollout starts with every sample running (P x G rows) and ends with a few long ones. At a large batch the
+target forward is compute-bound and scoring w tokens per row costs nearly w plain steps; as rows finish and
+the batch is compacted, the forward turns bandwidth-bound and scoring w tokens costs little more than one.
+So the same drafts that lose at 128 rows pay at 8, and speculation should switch on, and K grow, as the
+active count falls (the batch-size switch of speculative RL rollouts).
+
+Before each chunk the policy picks the cap K (0, or w - 1 for a compiled verify width w) maximising
+
+    (1 + m(K)) / c_b(K + 1)          (plain decoding: 1 / 1)
+
+where c_b(w) is the measured cost of a forward over w new tokens per row at the current batch b, in plain
+steps (`jaxspec.cost.measure_verify_cost`, measured once per machine and shape and cached on disk), and
+m(K) = r_0 + ... + r_{K-1} the expected accepted drafts per row and step: r_j is the measured rate of accepted
+drafts at position j per active row-step, over recent chunks that allowed position j (older chunks decay).
+Positions never measured are extrapolated from the ones that were (a geometric tail), and before anything
+is measured r_j = prior ** (j + 1). When nothing may be measured (JAXSPEC_VERIFY_COST=off) there is no cost
+table and "adaptive" drafts the full K, as "always" does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+MODES = ("adaptive", "always", "off")
+
+
+@dataclasses.dataclass
+class TailPolicy:
+    """Draft caps for a rollout's chunks (see the module docstring)."""
+
+    k: int  # the proposer's K
+    widths: tuple[int, ...]  # compiled verify widths (1 first)
+    cost_of: Callable[[int], dict[int, float] | None]  # batch size -> {width: c(w)}, or None when unmeasured
+    mode: str = "adaptive"
+    prior: float = 0.5  # acceptance rate per position before any measurement
+    decay: float = 0.7  # weight of the older measurements at each new chunk
+    min_row_steps: float = 8.0  # row-steps below which a position's rate counts as unmeasured
+    _accepted: np.ndarray = dataclasses.field(init=False, repr=False)  # f64[K] decayed accepted drafts at j
+    _row_steps: np.ndarray = dataclasses.field(init=False, repr=False)  # f64[K] decayed row-steps allowing j
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"speculation={self.mode!r} must be one of {MODES}")
+        self._accepted = np.zeros((self.k,))
+        self._row_steps = np.zeros((self.k,))
+
+    @property
+    def caps(self) -> tuple[int, ...]:
+        """The caps a chunk may run: 0 and each compiled width's w - 1."""
+        return (0,) + tuple(w - 1 for w in self.widths if 1 < w <= self.k + 1)
+
+    def rates(self) -> np.ndarray:
+        """f64[K] r_j, accepted drafts at position j per active row-step (measured, else extrapolated)."""
+        rates = np.zeros((self.k,))
+        ratio = self.prior
+        for j in range(self.k):
+            if self._row_steps[j] >= self.min_row_steps:
+                rates[j] = self._accepted[j] / self._row_steps[j]
+                if j and rates[j - 1] > 0:
+                    ratio = min(rates[j] / rates[j - 1], 1.0)
+            else:
+                rates[j] = (rates[j - 1] if j else 1.0) * ratio
+        return rates
+
+    def expected_gain(self, batch: int) -> dict[int, float]:
+        """cap -> predicted tokens per unit of step cost relative to plain decoding, at this batch size (None
+        when there is no cost table)."""
+        costs = self.cost_of(batch)
+        if not costs:
+            return {}
+        accepted = np.concatenate([[0.0], np.cumsum(self.rates())])  # m(K) for K = 0..K
+        return {cap: (1.0 if cap == 0 else (1.0 + accepted[cap]) / costs[cap + 1]) for cap in self.caps}
+
+    def choose(self, batch: int) -> int:
+        """The draft cap of the next chunk at this batch size."""
+        if self.mode == "off" or self.k == 0:
+            return 0
+        if self.mode == "always":
+            return self.k
+        gains = self.expected_gain(batch)
+        if not gains:
+            return self.k
+        # On a tie plain decoding wins: speculation that does not pay costs drafting time besides.
+        return max(gains, key=lambda cap: (gains[cap], -cap))
+
+    def observe(self, cap: int, accepted_at: np.ndarray, row_steps: int) -> None:
+        """Learn from a chunk run at `cap`: accepted_at f64[K] accepted drafts per position, row_steps the
+        active row-steps it ran."""
+        if cap == 0 or row_steps <= 0:
+            return
+        allowed = np.arange(self.k) < cap
+        self._accepted = np.where(allowed, self.decay * self._accepted + accepted_at, self._accepted)
+        self._row_steps = np.where(allowed, self.decay * self._row_steps + row_steps, self._row_steps)

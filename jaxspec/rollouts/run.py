@@ -1,0 +1,253 @@
+"""`jaxspec.rollout`: P prompts x G samples, decoded on the device with a compacted long tail.
+
+The loop:
+1. Prefill each prompt once and copy its K/V into its G rows (`prefill(group_size=G)`); each row samples its
+   first token with its own seed.
+2. Decode in chunks of `chunk_steps` steps (`decode_chunk`, the jitted loop). Between chunks the host reads
+   which rows finished (one small transfer) and
+   - compacts: when the samples still running fit a smaller compiled batch (powers of two from 8 below the
+     first batch, and 1: XLA:CPU runs 2-7 rows no faster than 8), the finished rows are read back and the
+     running ones move to the front of the smaller batch (`jaxspec.engine.slots.regroup`, the engine's own
+     machinery; a group's automaton, being batch-shared, stays whole);
+   - asks the tail policy for the next chunk's draft cap (`TailPolicy`: speculation switches on, and K grows,
+     where the smaller batch's measured verify cost is repaid by the measured acceptance).
+3. Read back what is left and build the result.
+
+Every sample's tokens are keyed by its seed (from (seed, p, g)) and each token's position only, so neither
+compaction, nor batch order, nor the speculation method changes a single token (lossless verification).
+Everything compiled is keyed by shapes and the proposer, never by the weights: an RL loop that passes new
+`params=` each step reuses the programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import cost
+from ..config import SamplingParams, SpecConfig
+from ..decode import DecodeState, RowLimits, decode_chunk, prefill
+from ..engine import slots
+from ..generation import default_attention_impl
+from ..methods import build_proposer
+from ..models.loading import LanguageModel
+from ..proposers.group_sam import GroupSamProposer
+from ..shapes import bucket_shapes
+from .inputs import RolloutInputs, check_memory, validate
+from .policy import MODES, TailPolicy
+from .result import ChunkRecord, RolloutResult, SampleRecord, timeline_stats
+
+MIN_COMPACT_BATCH = 8  # below 8 rows XLA:CPU runs a forward no faster than at 8 (docs/cpu-performance.md)
+
+
+def batch_buckets(num_rows: int) -> tuple[int, ...]:
+    """The compiled batch sizes a rollout of `num_rows` samples compacts through, largest first: the first
+    batch, the powers of two from 8 below it, and 1."""
+    sizes = {num_rows, 1}
+    size = MIN_COMPACT_BATCH
+    while size < num_rows:
+        sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes, reverse=True))
+
+
+def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int, sampling,
+            spec: SpecConfig | None = None, params=None, references=None, logprobs: bool = True,
+            logprobs_mode: str = "sampling", seed: int = 0, stop_token_ids=(), ignore_eos: bool = False,
+            compaction: bool = True, speculation: str = "adaptive",
+            chunk_steps: int = 16, group_capacity: int | None = None, shared_prefill: bool = True,
+            attention_impl: str | None = None) -> RolloutResult:
+    """Sample `num_samples` completions of each prompt (an RL rollout) and return them with their
+    log-probabilities and the rollout's timeline.
+
+    prompts: strings or token-id lists (P of them). sampling: one SamplingParams for all samples or one per
+    prompt; each sample's seed comes from (`seed`, p, g) (`sample_seeds`), whatever seed `sampling` holds.
+    spec: the speculation method (default none); `SpecConfig(method="group_sam")` drafts from every sample of
+    the prompt, and `references` (per prompt a list of earlier completions, text or ids) adds draft material.
+    params: policy weights with the shapes of `lm.params` (an update from training), run without recompiling.
+    logprobs: record each sampled token's log-probability, under the distribution it was sampled from
+    (logprobs_mode="sampling": temperature, top-k, top-p, min-p applied, what a policy-gradient loss needs) or
+    under the target's raw softmax ("raw"). compaction: move the running samples to smaller compiled batches
+    as others finish. speculation: "adaptive" (draft where the measured cost pays, `TailPolicy`), "always"
+    or "off". chunk_steps: decode steps between host visits. group_capacity (group_sam): the most tokens one
+    group's automaton holds (default: all of them); a full automaton stops drafting, decoding goes on.
+    shared_prefill: run each prompt through the target once for its G samples (False: once per sample, to
+    measure what sharing saves).
+
+    Bad input raises a ValueError naming the value.
+    """
+    inputs = validate(lm, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, sampling=sampling,
+                      spec=spec, params=params, references=references, logprobs=logprobs,
+                      logprobs_mode=logprobs_mode, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+    for name, flag in (("compaction", compaction), ("shared_prefill", shared_prefill)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(f"{name}={flag!r} must be True or False")
+    if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+        raise ValueError(f"chunk_steps={chunk_steps!r} must be an integer >= 1")
+    if group_capacity is not None:
+        if isinstance(group_capacity, bool) or not isinstance(group_capacity, int) or group_capacity < 1:
+            raise ValueError(f"group_capacity={group_capacity!r} must be None or an integer >= 1")
+        if inputs.spec.method != "group_sam":
+            raise ValueError(f"group_capacity={group_capacity} sizes method='group_sam' automata; spec.method="
+                             f"{inputs.spec.method!r}")
+    attention_impl = attention_impl or default_attention_impl()
+    if attention_impl not in ("xla", "pallas"):
+        raise ValueError(f"attention_impl={attention_impl!r} must be None, 'xla' or 'pallas'")
+    if speculation not in MODES:
+        raise ValueError(f"speculation={speculation!r} must be one of {MODES}")
+    return _Rollout(lm, inputs, compaction=bool(compaction), speculation=speculation, chunk_steps=chunk_steps,
+                    group_capacity=group_capacity, attention_impl=attention_impl).run(bool(shared_prefill))
+
+
+class _Rollout:
+    """One rollout's host-side state: the batch on the device, which sample each row holds, what finished."""
+
+    def __init__(self, lm: LanguageModel, inputs: RolloutInputs, *, compaction: bool, speculation: str,
+                 chunk_steps: int, group_capacity: int | None, attention_impl: str):
+        self.lm, self.inputs = lm, inputs
+        self.chunk_steps, self.attention_impl = chunk_steps, attention_impl
+        spec = inputs.spec
+        lens = [len(p) for p in inputs.ids]
+        self.width, self.buffer_len, self.cache_len = bucket_shapes(lens, inputs.max_new_tokens,
+                                                                    spec.num_speculative_tokens)
+        self.proposer, self.proposer_params = build_proposer(
+            lm, spec, prompt_width=self.width, buffer_len=self.buffer_len, cache_len=self.cache_len,
+            group_size=inputs.num_samples)
+        if inputs.references is not None:
+            self.proposer_params = inputs.references
+        automaton_bytes = 0
+        if isinstance(self.proposer, GroupSamProposer):
+            if group_capacity is not None:
+                self.proposer = dataclasses.replace(self.proposer, max_tokens=group_capacity)
+            refs = inputs.references
+            num_refs, ref_len = (0, 0) if refs is None else refs.tokens.shape[1:]
+            automaton_bytes = inputs.num_prompts * self.proposer.automaton_bytes(num_refs, ref_len)
+        check_memory(lm, inputs, cache_len=self.cache_len, history_len=self.width + self.buffer_len,
+                     automaton_bytes=automaton_bytes)
+        self.widths = spec.verify_widths
+        self.buckets = batch_buckets(inputs.num_rows) if compaction else (inputs.num_rows,)
+        self.policy = TailPolicy(spec.num_speculative_tokens, self.widths, self._verify_cost, mode=speculation)
+        self.prompt_lens = np.asarray(lens, np.int32)
+        self.max_new = np.full((inputs.num_rows,), inputs.max_new_tokens, np.int32)
+        self.samples: dict[int, SampleRecord] = {}
+        self.chunks: list[ChunkRecord] = []
+
+    # ------------------------------------------------------------------ per-row settings of a batch
+
+    def _settings(self, rows: np.ndarray, cap: int) -> tuple[SamplingParams, RowLimits]:
+        """The sampling arrays and limits of a batch whose row i holds sample rows[i] (-1: a padding row)."""
+        idx = jnp.asarray(np.maximum(rows, 0))
+        sampling = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), self.inputs.sampling)
+        limits = RowLimits(max_new_tokens=jnp.asarray(self.max_new[np.maximum(rows, 0)]),
+                           stop_ids=jnp.asarray(self.inputs.stop_table[np.maximum(rows, 0)]),
+                           draft_cap=jnp.full((len(rows),), cap, jnp.int32))
+        return sampling, limits
+
+    def _verify_cost(self, batch: int) -> dict[int, float] | None:
+        """c(w) at this batch size, measured once per machine and shape (None when measuring is off)."""
+        if not cost.enabled() or len(self.widths) < 2:
+            return None
+        cached = int(self.prompt_lens.max()) + self.inputs.max_new_tokens // 2
+        costs = cost.measure_verify_cost(self.lm, batch=batch, cache_len=self.cache_len, widths=self.widths,
+                                         cached=cached, attention_impl=self.attention_impl, repeats=3)
+        return dict(zip(self.widths, costs))
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, shared_prefill: bool = True) -> RolloutResult:
+        inputs, lm = self.inputs, self.lm
+        t0 = time.perf_counter()
+        prompts = np.zeros((inputs.num_prompts, self.width), np.int32)
+        for i, p in enumerate(inputs.ids):
+            prompts[i, : len(p)] = p
+        prompt_lens, group_size = self.prompt_lens, inputs.num_samples
+        if not shared_prefill:  # every sample's row runs its prompt itself
+            prompts, prompt_lens = (np.repeat(x, group_size, axis=0) for x in (prompts, prompt_lens))
+            group_size = 1
+        rows = np.arange(inputs.num_rows)  # the sample each batch row holds (p * G + g), -1 for padding
+        cap = self.policy.choose(len(rows))
+        sampling, limits = self._settings(rows, cap)
+        logprob_rows = jnp.ones((inputs.num_rows,), bool) if inputs.logprobs else None
+        processed = jnp.full((inputs.num_rows,), inputs.logprobs_mode == "sampling") if inputs.logprobs else None
+        state = prefill(lm.graphdef, inputs.params, jnp.asarray(prompts), jnp.asarray(prompt_lens), sampling, limits,
+                        self.proposer_params, logprob_rows, processed, proposer=self.proposer,
+                        cache_len=self.cache_len, buffer_len=self.buffer_len, group_size=group_size)
+        done = np.asarray(jax.device_get(state.done))
+        prefill_s = time.perf_counter() - t0
+        totals = self._totals(state)
+        while True:
+            live = rows >= 0
+            running = int((live & ~done).sum())
+            if running == 0:
+                break
+            target = min(b for b in self.buckets if b >= running)
+            if target < len(rows):
+                self._collect(state, rows, live & done)
+                keep = np.nonzero(live & ~done)[0]
+                state = slots.regroup(state, keep, slots.empty_like(state, target))
+                rows = np.concatenate([rows[keep], np.full((target - len(keep),), -1)])
+                done = np.concatenate([np.zeros((len(keep),), bool), np.ones((target - len(keep),), bool)])
+                totals = self._totals(state)
+            cap = self.policy.choose(len(rows))
+            sampling, limits = self._settings(rows, cap)
+            state = decode_chunk(lm.graphdef, inputs.params, state, sampling, limits, self.proposer_params,
+                                 proposer=self.proposer, widths=self.widths, attention_impl=self.attention_impl,
+                                 num_steps=self.chunk_steps)
+            done = np.asarray(jax.device_get(state.done))
+            after = self._totals(state)
+            self.chunks.append(ChunkRecord(end_step=after[0], end_s=time.perf_counter() - t0, batch=len(rows),
+                                           active=running, draft_cap=cap))
+            self.policy.observe(cap, after[2] - totals[2], after[1] - totals[1])
+            totals = after
+        self._collect(state, rows, rows >= 0)
+        wall_s = time.perf_counter() - t0
+        return self._result(wall_s, prefill_s)
+
+    @staticmethod
+    def _totals(state: DecodeState) -> tuple[int, int, np.ndarray]:
+        """(the loop's step counter, row-steps summed over the batch, accepted drafts per position f64[K])."""
+        steps, row_steps, accepted_at = jax.device_get((state.steps, state.counters.steps, state.counters.accepted_at))
+        return int(steps), int(row_steps.sum()), accepted_at.sum(axis=0).astype(np.float64)
+
+    def _collect(self, state: DecodeState, rows: np.ndarray, which: np.ndarray) -> None:
+        """Read back the samples in batch rows `which` (bool[b]) that are not collected yet."""
+        which = which & (rows >= 0) & ~np.isin(rows, list(self.samples))
+        if not which.any():
+            return
+        c = state.counters
+        history, history_len, steps, drafted, accepted, committed = (
+            np.asarray(x) for x in jax.device_get((state.history, state.history_len, c.steps, c.drafted,
+                                                   c.accepted, c.committed)))
+        token_lp = None if state.logprobs is None else np.asarray(jax.device_get(state.logprobs.token))
+        g = self.inputs.num_samples
+        for i in np.nonzero(which)[0]:
+            sample = int(rows[i])
+            start, end = int(self.prompt_lens[sample // g]), int(history_len[i])
+            self.samples[sample] = SampleRecord(
+                tokens=history[i, start:end].tolist(),
+                logprobs=None if token_lp is None else token_lp[i, start:end].tolist(),
+                steps=int(steps[i]), drafted=int(drafted[i]), accepted=int(accepted[i]),
+                committed=committed[i, : int(steps[i])].copy())
+
+    def _result(self, wall_s: float, prefill_s: float) -> RolloutResult:
+        inputs, tokenizer = self.inputs, self.lm.tokenizer
+        g = inputs.num_samples
+        ordered = [self.samples[i] for i in range(inputs.num_rows)]
+        token_ids, texts, reasons, logprobs = [], [], [], []
+        for p in range(inputs.num_prompts):
+            group = ordered[p * g: (p + 1) * g]
+            token_ids.append([s.tokens for s in group])
+            stops = [set(inputs.stop_table[p * g + j].tolist()) - {-1} for j in range(g)]
+            stopped = [bool(s.tokens) and s.tokens[-1] in stops[j] for j, s in enumerate(group)]
+            reasons.append(["stop" if st else "length" for st in stopped])
+            bodies = [s.tokens[:-1] if st else s.tokens for s, st in zip(group, stopped)]
+            texts.append([tokenizer.decode(b, skip_special_tokens=True) if tokenizer else "" for b in bodies])
+            logprobs.append([s.logprobs for s in group])
+        stats = timeline_stats(ordered, self.chunks, wall_s=wall_s, prefill_s=prefill_s)
+        seeds = np.asarray(inputs.sampling.seed).reshape(inputs.num_prompts, g)
+        return RolloutResult(token_ids=token_ids, text=texts, finish_reason=reasons,
+                             logprobs=logprobs if inputs.logprobs else None, stats=stats, seeds=seeds)

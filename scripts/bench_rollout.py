@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""RL rollouts side by side: the long tail, per-row and grouped speculation, references (default model, CPU).
+
+P HumanEval prompts (held out from head training) x G samples each, sampled at each temperature, up to N new
+tokens. Per temperature, with the same seeds (`jaxspec.sample_seeds`), interleaved over `--repeats` rounds
+after a warm-up that compiles everything:
+
+* generate   every sample as one `jaxspec.generate` batch: no compaction, the batch waits for its slowest row;
+* none       `jaxspec.rollout` without speculation: the tail compacted into smaller compiled batches;
+* none-unshared  the same with every sample prefilling its prompt itself (what shared prefill saves: the
+             "prefill s" column is the time to every sample's first token);
+* sam        rollout, each row drafting from its own text (suffix automaton);
+* group_sam  rollout, each row drafting from every sample of its prompt;
+* group_sam+refs  the same with an earlier rollout (another seed) of each prompt as references.
+
+All speculation runs use the default adaptive policy (speculate where the measured verify cost of the current
+batch is repaid by the measured acceptance). Every run must produce the same samples as `generate` (the table
+counts identical samples). Reported: whole-rollout wall time and its ratio to rollout-none, the tail (from 90%
+of the samples finished to the last) and its ratio, acceptance overall and in the tail, tokens/s; and the
+ceiling: the share of next tokens that the 4-token context before them, seen earlier in the sample's own text
+or anywhere in its group, predicts. A plot shows active rows and committed tokens per step over time.
+
+    python scripts/bench_rollout.py                                   # 16 x 8, 256 tokens, T = 0.7 and 1.0
+    python scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 128 --temperatures 0.7 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+import jaxspec
+from benchkit import machine, output, plots, tables, workloads
+from benchkit.timing import interleave
+from jaxspec import SamplingParams, SpecConfig
+
+METHODS = ("generate", "none", "none-unshared", "sam", "group_sam", "group_sam+refs")
+CONTEXT = 4  # tokens of context behind a predicted next token, for the ceiling
+
+
+def ceiling(prompts: list[list[int]], samples: list[list[list[int]]]) -> tuple[float, float]:
+    """(own, group): the share of generated tokens whose preceding CONTEXT tokens occurred before, followed by
+    that same token, in the sample's own text so far (prompt + its earlier output) / anywhere in its group (the
+    prompt, the sample's own text so far, its siblings' whole outputs)."""
+    hits_own = hits_group = total = 0
+    for prompt, group in zip(prompts, samples):
+        sibling_next: dict[int, dict[tuple, set]] = {}
+        for g, out in enumerate(group):
+            table: dict[tuple, set] = {}
+            text = prompt + out
+            for i in range(CONTEXT, len(text)):
+                table.setdefault(tuple(text[i - CONTEXT: i]), set()).add(text[i])
+            sibling_next[g] = table
+        for g, out in enumerate(group):
+            text = prompt + out
+            own: dict[tuple, set] = {}
+            for i in range(CONTEXT, len(text)):
+                ctx, nxt = tuple(text[i - CONTEXT: i]), text[i]
+                if i >= len(prompt):
+                    total += 1
+                    in_own = nxt in own.get(ctx, ())
+                    in_group = in_own or any(nxt in sibling_next[h].get(ctx, ()) for h in sibling_next if h != g)
+                    hits_own += in_own
+                    hits_group += in_group
+                own.setdefault(ctx, set()).add(nxt)
+    return hits_own / max(total, 1), hits_group / max(total, 1)
+
+
+def run(lm, method: str, prompts, common: dict, every, generate_sampling, earlier):
+    """One timed call: `generate` over every sample, or a rollout with the method (earlier: the references)."""
+    if method == "generate":
+        return jaxspec.generate(lm, every, max_new_tokens=common["max_new_tokens"], sampling=generate_sampling)
+    spec = None if method.startswith("none") else SpecConfig(method=method.split("+")[0])
+    refs = earlier if method.endswith("+refs") else None
+    return jaxspec.rollout(lm, prompts, spec=spec, references=refs, logprobs=False,
+                           shared_prefill=method != "none-unshared", **common)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--temperatures", default="0.7,1.0")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--repeats", type=int, default=1, help="timed rounds after the warm-up")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/rollout")
+    args = parser.parse_args(argv)
+
+    lm = jaxspec.load_model()
+    prompts = workloads.held_out_prompts(lm.tokenizer, args.prompts)
+    methods = args.methods.split(",")
+    info = machine.info()
+    header = (f"{machine.line(info)}\n{len(prompts)} held-out HumanEval prompts x {args.samples} samples, up to "
+              f"{args.new_tokens} new tokens, top-p 1, {args.repeats} timed round(s) after a warm-up\n")
+    report, sections = {"machine": info, "args": vars(args), "temperatures": {}}, [header]
+    out_dir = Path(args.out)
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        sampling = SamplingParams(temperature=temperature)
+        common = dict(num_samples=args.samples, max_new_tokens=args.new_tokens, sampling=sampling, seed=args.seed)
+        earlier = jaxspec.rollout(lm, prompts, **common | {"seed": args.seed + 1000}, logprobs=False)
+        seeds = jaxspec.sample_seeds(args.seed, len(prompts), args.samples).reshape(-1)
+        every = [p for p in prompts for _ in range(args.samples)]
+
+        generate_sampling = [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds]
+        calls = {m: functools.partial(run, lm, m, prompts, common, every, generate_sampling, earlier.token_ids)
+                 for m in methods}
+        samples = interleave(calls, args.repeats, alternate=True)
+        rows, entry = [], {}
+        base = samples["generate"][0].token_ids if "generate" in samples else None
+        wall = {m: statistics.median(r.stats.decode_s + r.stats.prefill_s if m == "generate" else r.stats.wall_s
+                                     for r in runs) for m, runs in samples.items()}
+        tail = {m: statistics.median(r.stats.tail_s for r in runs) for m, runs in samples.items() if m != "generate"}
+        for m, runs in samples.items():
+            r = runs[-1]
+            flat = r.token_ids if m == "generate" else [t for g in r.token_ids for t in g]
+            same = sum(a == b for a, b in zip(flat, base)) if base is not None else None
+            tokens = sum(len(t) for t in flat)
+            s = r.stats
+            acc = s.mean_acceptance_length
+            tail_acc = None if m == "generate" else s.tail_mean_acceptance_length
+            rows.append((m, f"{wall[m]:.1f}", f"{statistics.median(x.stats.prefill_s for x in runs):.2f}",
+                         tables.fmt(wall.get("none", np.nan) / wall[m], ".3f"),
+                         tables.fmt(tail.get(m), ".1f"),
+                         tables.fmt(tail["none"] / tail[m] if m in tail and "none" in tail else None, ".3f"),
+                         tables.fmt(acc), tables.fmt(tail_acc), f"{tokens / wall[m]:.0f}",
+                         f"{same}/{len(flat)}" if same is not None else "-"))
+            entry[m] = dict(wall_s=[x.stats.decode_s + x.stats.prefill_s if m == "generate" else x.stats.wall_s
+                                    for x in runs], tail_s=tail.get(m), acceptance=acc, tail_acceptance=tail_acc,
+                            tokens=tokens, identical=same,
+                            timeline=None if m == "generate" else dict(
+                                active=s.active_per_step, committed=s.committed_per_step, end_s=s.step_end_s,
+                                chunks=[c.__dict__ for c in s.chunks]))
+        rollout_none = samples.get("none", [None])[0]
+        own, group = ceiling(prompts, rollout_none.token_ids) if rollout_none else (None, None)
+        entry["ceiling"] = dict(own=own, group=group)
+        report["temperatures"][str(temperature)] = entry
+        sections.append(f"## T = {temperature}\n\n" + tables.markdown(
+            ("method", "wall s", "prefill s", "vs rollout-none", "tail s", "tail vs none", "acceptance",
+             "tail acceptance", "tokens/s", "same as generate"), rows)
+            + f"\n\nceiling: a {CONTEXT}-token context seen before predicts the next token for "
+              f"{tables.fmt(own, '.3f')} of tokens (own text), {tables.fmt(group, '.3f')} (group)\n")
+        _plot(samples, temperature, out_dir)
+    output.write(out_dir, "bench_rollout", report, "\n".join(sections))
+    differ = [m for m, e in ((m, report["temperatures"][t][m]) for t in report["temperatures"] for m in methods)
+              if e["identical"] is not None and e["identical"] != args.prompts * args.samples]
+    return output.exit_status(differ)
+
+
+def _plot(samples: dict, temperature: float, out_dir: Path) -> None:
+    plt = plots.pyplot()
+    if plt is None:
+        return
+    fig, (ax_rows, ax_tokens) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for m, runs in samples.items():
+        if m == "generate":
+            continue
+        s = runs[-1].stats
+        ax_rows.step(s.step_end_s, s.active_per_step, where="post", label=m)
+        ax_tokens.plot(s.step_end_s, s.committed_per_step, label=m, linewidth=0.8)
+    ax_rows.set_ylabel("active samples")
+    ax_tokens.set_ylabel("tokens committed per step")
+    ax_tokens.set_xlabel("seconds since the rollout started")
+    ax_rows.legend()
+    ax_rows.set_title(f"rollout timeline, T = {temperature}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots.save(fig, out_dir / f"rollout_T{temperature}.png")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

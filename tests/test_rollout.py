@@ -1,0 +1,252 @@
+"""`jaxspec.rollout`: groups of samples, grouped suffix-automaton speculation, tail compaction, log-probabilities.
+
+On a tiny random model whose LM head is scaled up, so its distributions are peaked: sampled text then repeats
+itself and siblings resemble each other, which gives the group automaton something to draft from (on a flat
+distribution nothing would ever be drafted and the equality tests could pass without speculating). Every
+speculative test asserts that drafts were made and some accepted.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxspec
+from jaxspec import SamplingParams, SpecConfig
+from jaxspec.decode import decode_chunk, prefill
+from jaxspec.rollouts import TailPolicy, batch_buckets, sample_seeds
+from jaxspec.rollouts import inputs as rollout_inputs
+from jaxspec.sampling import process_logits
+
+PROMPTS = [[5, 6, 7, 8, 5, 6], [10, 11, 12, 13, 10, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+G, N = 4, 40
+STOP = [93]  # a token some samples reach early and others late or never: the batch compacts
+MIXED = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9),
+         SamplingParams(temperature=0.0)]
+
+
+@pytest.fixture(scope="module")
+def peaked_lm(tiny_lm):
+    """The tiny model with its LM head scaled 40x: peaked next-token distributions."""
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 40.0 if "lm_head" in jax.tree_util.keystr(path) else x, tiny_lm.params)
+    return jaxspec.LanguageModel(name="tiny-peaked", config=tiny_lm.config, graphdef=tiny_lm.graphdef,
+                                 params=params, tokenizer=None)
+
+
+def _run(lm, method, **kw):
+    spec = None if method == "none" else SpecConfig(method=method)
+    kw.setdefault("sampling", MIXED)
+    kw.setdefault("speculation", "always")
+    kw.setdefault("stop_token_ids", STOP)
+    return jaxspec.rollout(lm, PROMPTS, num_samples=G, max_new_tokens=N, spec=spec, seed=7, chunk_steps=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(peaked_lm):
+    return _run(peaked_lm, "none")
+
+
+@pytest.fixture(scope="module")
+def grouped(peaked_lm):
+    return _run(peaked_lm, "group_sam")
+
+
+def test_result_layout(plain):
+    assert len(plain.token_ids) == len(PROMPTS) and all(len(g) == G for g in plain.token_ids)
+    assert plain.seeds.shape == (len(PROMPTS), G)
+    for p in range(len(PROMPTS)):
+        for g in range(G):
+            tokens = plain.token_ids[p][g]
+            assert 1 <= len(tokens) <= N
+            assert plain.finish_reason[p][g] in ("stop", "length")
+            assert len(plain.logprobs[p][g]) == len(tokens)
+    # Samples of one sampled prompt differ (own seeds); the greedy prompt's samples are all the same.
+    assert len({tuple(t) for t in plain.token_ids[0]}) > 1
+    assert len({tuple(t) for t in plain.token_ids[2]}) == 1
+
+
+def test_group_sam_reproduces_the_plain_rollout_token_for_token(plain, grouped):
+    assert grouped.token_ids == plain.token_ids
+    np.testing.assert_allclose(np.concatenate([np.ravel(x) for g in grouped.logprobs for x in g]),
+                               np.concatenate([np.ravel(x) for g in plain.logprobs for x in g]), atol=2e-5)
+    s = grouped.stats
+    assert s.drafted > 0 and s.accepted > 0, "group_sam must draft and have drafts accepted"
+    assert s.steps < plain.stats.steps
+    assert s.mean_acceptance_length > 1.0
+    assert plain.stats.drafted == 0 and plain.stats.mean_acceptance_length == pytest.approx(1.0)
+
+
+def test_rollout_equals_generate_with_the_sample_seeds(peaked_lm, plain):
+    """Compaction, grouped prefill and batch order change nothing: one generate batch of every sample (no
+    compaction) with the rollout's seeds gives the same tokens."""
+    seeds = sample_seeds(7, len(PROMPTS), G).reshape(-1)
+    rows = [s for s in MIXED for _ in range(G)]
+    sampling = [SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=int(seed))
+                for s, seed in zip(rows, seeds)]
+    ref = jaxspec.generate(peaked_lm, [p for p in PROMPTS for _ in range(G)], max_new_tokens=N, sampling=sampling,
+                           stop_token_ids=STOP)
+    assert [t for group in plain.token_ids for t in group] == ref.token_ids
+
+
+def test_prefill_per_sample_gives_the_same_tokens(peaked_lm, plain):
+    assert _run(peaked_lm, "none", shared_prefill=False).token_ids == plain.token_ids
+
+
+def test_compaction_gives_the_same_tokens_as_none(peaked_lm, plain):
+    whole = _run(peaked_lm, "none", compaction=False)
+    assert whole.token_ids == plain.token_ids
+    assert {c.batch for c in whole.stats.chunks} == {len(PROMPTS) * G}
+    assert len({c.batch for c in plain.stats.chunks}) > 1, "rows finished early enough to compact"
+
+
+def test_greedy_group_sam_equals_greedy_generate(peaked_lm):
+    res = jaxspec.rollout(peaked_lm, PROMPTS, num_samples=2, max_new_tokens=N, sampling=SamplingParams(),
+                          spec=SpecConfig(method="group_sam"), speculation="always", chunk_steps=4)
+    ref = jaxspec.generate(peaked_lm, PROMPTS, max_new_tokens=N)
+    for p, group in enumerate(res.token_ids):
+        assert group == [ref.token_ids[p]] * 2
+    assert res.stats.accepted > 0
+
+
+def test_group_sam_alone_in_generate_is_per_row_sam(peaked_lm):
+    plain = jaxspec.generate(peaked_lm, PROMPTS, max_new_tokens=N)
+    spec = jaxspec.generate(peaked_lm, PROMPTS, max_new_tokens=N, spec=SpecConfig(method="group_sam"))
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted > 0
+
+
+def _teacher_forced(lm, prompt, tokens, sampling):
+    """(raw, processed) log-probabilities of `tokens` after `prompt` from one forward over the whole text."""
+    seq = jnp.asarray([prompt + tokens], jnp.int32)
+    model = nnx.merge(lm.graphdef, lm.params)
+    out, _ = model(seq, jnp.arange(seq.shape[1], dtype=jnp.int32)[None], model.new_cache(1, seq.shape[1]),
+                   attention_impl="xla")
+    logits = out.logits[0, len(prompt) - 1: -1].astype(jnp.float32)[None]  # [1, n, V]
+    idx = np.arange(len(tokens))
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))[0, idx, tokens]
+    processed = np.asarray(jax.nn.log_softmax(process_logits(logits, sampling.broadcast(1)), axis=-1))[0, idx, tokens]
+    return raw, processed
+
+
+@pytest.mark.parametrize("mode", ["sampling", "raw"])
+def test_logprobs_equal_a_teacher_forced_forward(peaked_lm, grouped, mode):
+    res = grouped if mode == "sampling" else _run(peaked_lm, "group_sam", logprobs_mode="raw")
+    assert res.stats.accepted > 0
+    for p, prompt in enumerate(PROMPTS):
+        for g in (0, G - 1):
+            tokens = res.token_ids[p][g]
+            raw, processed = _teacher_forced(peaked_lm, prompt, tokens, MIXED[p])
+            np.testing.assert_allclose(res.logprobs[p][g], processed if mode == "sampling" else raw, atol=1e-4)
+    # The modes differ where the sampling settings reshape the distribution (temperature 0.7 here).
+    raw0, processed0 = _teacher_forced(peaked_lm, PROMPTS[0], res.token_ids[0][0], MIXED[0])
+    assert not np.allclose(raw0, processed0, atol=1e-3)
+
+
+def test_new_params_run_without_recompiling(peaked_lm):
+    perturbed = [jax.tree.map(lambda x, s=s: x * s, peaked_lm.params) for s in (1.0, 0.97, 1.03)]
+    kw = dict(num_samples=G, max_new_tokens=16, sampling=SamplingParams(temperature=0.8),
+              spec=SpecConfig(method="group_sam"), speculation="always", chunk_steps=4, seed=1)
+    first = jaxspec.rollout(peaked_lm, PROMPTS, params=perturbed[0], **kw)
+    sizes = (prefill._cache_size(), decode_chunk._cache_size())
+    outs = [jaxspec.rollout(peaked_lm, PROMPTS, params=p, **kw) for p in perturbed[1:]]
+    assert (prefill._cache_size(), decode_chunk._cache_size()) == sizes, "new params recompiled something"
+    assert outs[0].token_ids != first.token_ids or outs[1].token_ids != first.token_ids, "params were not used"
+
+
+def test_references_are_draft_material_only(peaked_lm, plain, grouped):
+    refs = [[t for t in plain.token_ids[p]] for p in range(len(PROMPTS))]
+    with_refs = _run(peaked_lm, "group_sam", references=refs)
+    assert with_refs.token_ids == plain.token_ids
+    assert with_refs.stats.accepted > grouped.stats.accepted, "the samples themselves as references draft more"
+
+
+def test_a_full_group_automaton_stops_drafting_not_decoding(peaked_lm, plain):
+    tight = _run(peaked_lm, "group_sam", group_capacity=12)
+    assert tight.token_ids == plain.token_ids
+    assert tight.stats.drafted < _run(peaked_lm, "group_sam").stats.drafted
+
+
+def test_memory_bound_names_the_setting(peaked_lm, monkeypatch):
+    monkeypatch.setattr(rollout_inputs, "available_memory", lambda: 1 << 20)
+    with pytest.raises(ValueError, match="num_samples"):
+        _run(peaked_lm, "group_sam")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_samples=0), "num_samples=0"),
+    (dict(prompts=[]), "prompts"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(references=[[[1, 2]]]), "references must be a list of 3"),
+    (dict(references=[[1, 2], [[3]], [[4]]]), r"references\[0\]"),
+    (dict(references=[[[1, 200]], [[3]], [[4]]]), r"references\[0\]\[0\]"),
+    (dict(spec=SpecConfig(method="sam"), references=[[[1]], [[3]], [[4]]]), "group_sam"),
+    (dict(sampling=[SamplingParams()]), "sampling"),
+    (dict(logprobs_mode="tempered"), "logprobs_mode"),
+    (dict(speculation="sometimes"), "speculation"),
+    (dict(seed=-1), "seed"),
+    (dict(group_capacity=0), "group_capacity"),
+    (dict(spec=None, group_capacity=64), "group_capacity"),
+])
+def test_bad_input_names_the_value(peaked_lm, kwargs, match):
+    args = dict(prompts=PROMPTS, num_samples=G, max_new_tokens=8, sampling=SamplingParams(),
+                spec=SpecConfig(method="group_sam"))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        jaxspec.rollout(peaked_lm, args.pop("prompts"), **args)
+
+
+def test_params_of_other_shapes_are_refused(peaked_lm):
+    bad = jax.tree_util.tree_map_with_path(
+        lambda path, x: x[:-1] if "embed" in jax.tree_util.keystr(path) else x, peaked_lm.params)
+    with pytest.raises(ValueError, match=r"params.*embed.*shape"):
+        jaxspec.rollout(peaked_lm, PROMPTS, num_samples=2, max_new_tokens=4, sampling=SamplingParams(), params=bad)
+    with pytest.raises(ValueError, match="params"):
+        jaxspec.rollout(peaked_lm, PROMPTS, num_samples=2, max_new_tokens=4, sampling=SamplingParams(),
+                        params={"not": "the model"})
+
+
+def test_stats_are_consistent(plain, grouped):
+    for res in (plain, grouped):
+        s = res.stats
+        assert s.num_samples == len(PROMPTS) * G
+        assert 0 < s.prefill_s <= s.time_to_50_s <= s.time_to_90_s <= s.time_to_100_s <= s.wall_s
+        assert s.tail_s >= 0
+        active = np.asarray(s.active_per_step)
+        assert active[0] <= s.num_samples and np.all(np.diff(active) <= 0)
+        assert sum(s.committed_per_step) == s.committed == sum(len(t) - 1 for g in res.token_ids for t in g)
+        assert s.row_steps == active.sum() and len(s.step_end_s) == s.steps
+        assert s.tail_row_steps <= s.row_steps
+
+
+def test_batch_buckets():
+    assert batch_buckets(128) == (128, 64, 32, 16, 8, 1)
+    assert batch_buckets(12) == (12, 8, 1)
+    assert batch_buckets(5) == (5, 1)
+    assert batch_buckets(1) == (1,)
+
+
+def _policy(costs, **kw):
+    return TailPolicy(8, (1, 3, 5, 9), lambda b: costs[b], **kw)
+
+
+def test_tail_policy_speculates_where_the_measured_cost_pays():
+    costs = {128: {1: 1.0, 3: 2.6, 5: 4.1, 9: 7.5}, 8: {1: 1.0, 3: 1.1, 5: 1.2, 9: 1.5}}
+    policy = _policy(costs)
+    assert policy.choose(128) == 0  # compute-bound: nothing pays at the prior acceptance
+    assert policy.choose(8) > 0
+    # Measured: drafts at position 0 accepted in 60% of row-steps, decaying: K grows at the cheap batch.
+    for _ in range(3):
+        policy.observe(8, np.array([0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.3, 0.25]) * 100, 100)
+    assert policy.choose(8) == 8
+    # Measured: almost nothing accepted: speculation goes off even where verifying is cheap.
+    cold = _policy(costs)
+    for _ in range(3):
+        cold.observe(8, np.array([0.02, 0.01, 0, 0, 0, 0, 0, 0]) * 100, 100)
+    assert cold.choose(8) == 0
+    assert _policy(costs, mode="always").choose(128) == 8
+    assert _policy(costs, mode="off").choose(8) == 0
+    assert TailPolicy(8, (1, 9), lambda b: None).choose(8) == 8  # no cost table: the full K
