@@ -10,14 +10,27 @@ device work per chunk), and how many chunks drafted (max cap > 0).
 
     python scripts/bench_engine.py                                  # off vs adaptive, 48 requests x 96 tokens
     python scripts/bench_engine.py --policies off,fixed,adaptive --requests 64 --max-tokens 128 --repeats 2
+
+With --prefill-batches it measures admission instead: one engine per `max_prefill_batch` value (the same
+model, settings and policy otherwise), and each repeat gives every engine in turn the same burst of N
+HumanEval prompts (default 8, greedy, 32 new tokens) arriving at once: queued while the engine's loop thread
+waits, so its next look at the queue finds them all (a one-token request, admitted and answered before the
+clock starts, holds it there). Reported per burst: the prefill calls that admitted it, the prompt tokens and
+those the calls ran (padding to a prompt bucket and a batch size included), time to first token
+(TTFT: from the burst's arrival to each request's first token) mean, median and max, and the total time
+until the last request finished; then the means over repeats, and whether every engine gave the same tokens.
+
+    python scripts/bench_engine.py --prefill-batches 1,8            # 8 requests x 32 tokens, 3 repeats
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import threading
+import time
 
 import jax
 
@@ -26,6 +39,7 @@ from benchkit import machine, tables, workloads
 from benchkit.timing import clocked, rounds
 from jaxspec.engine import Engine, EngineConfig, Request
 from jaxspec.policy import make_policy
+from jaxspec.shapes import prompt_bucket
 
 
 class Level:
@@ -72,20 +86,140 @@ class Level:
                 "drafting_chunks": sum(c["max_cap"] > 0 for c in self.chunks), "chunks": len(self.chunks)}
 
 
+class Burst:
+    """One engine, given bursts of requests that all arrive before its loop thread looks at the queue."""
+
+    def __init__(self, config: EngineConfig, policy: str, lm):
+        self.engine = Engine(lm, config, policy=make_policy(policy), observers=[self._observe])
+        self.batches: list[int] = []  # each admission's prefill batch (one entry per request)
+
+    def _observe(self, event: str, info: dict) -> None:
+        if event == "admit":
+            self.batches.append(info["prefill_batch"])
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        held, gate = threading.Event(), threading.Event()
+
+        def hold(output) -> None:  # engine thread: the holder's only event; the loop waits here
+            held.set()
+            gate.wait()
+
+        self.engine.submit(Request(prompts[0][:1], 1), hold)
+        held.wait()
+        n = len(prompts)
+        first: list[float | None] = [None] * n
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        end, left, finished = [0.0], [n], threading.Event()
+
+        def on_output(i: int, output) -> None:  # engine thread
+            if first[i] is None and output.token_ids:
+                first[i] = time.perf_counter()
+            tokens[i] += output.token_ids
+            if output.finish_reason is not None:
+                left[0] -= 1
+                if not left[0]:
+                    end[0] = time.perf_counter()
+                    finished.set()
+
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            self.engine.submit(Request(prompt, max_tokens), functools.partial(on_output, i))
+        self.batches.clear()  # the holder's admission is recorded once the gate opens: after this
+        gate.set()
+        finished.wait()
+        ttft = [f - start for f in first]
+        calls = _prefill_calls(self.batches[1:])  # the holder's own admission first
+        return {"ttft": ttft, "total_s": end[0] - start, "tokens": tokens, "batches": calls,
+                "generated": sum(len(t) for t in tokens), "padded": self._padded(prompts, calls)}
+
+    def _padded(self, prompts: list[list[int]], calls: list[int]) -> int:
+        """Prompt tokens the prefill calls ran, padding included (rows to a batch size, prompts to a bucket):
+        requests are admitted in arrival order."""
+        config, total, i = self.engine.config, 0, 0
+        for n in calls:
+            size = next(b for b in config.prefill_batch_sizes if b >= n)
+            total += size * prompt_bucket(max(len(p) for p in prompts[i:i + n]), config.cache_len)
+            i += n
+        return total
+
+
+def _prefill_calls(batches: list[int]) -> list[int]:
+    """The sizes of the prefill calls, from one entry per admitted request (each naming its call's size)."""
+    calls, i = [], 0
+    while i < len(batches):
+        calls.append(batches[i])
+        i += batches[i]
+    return calls
+
+
+def burst_main(args, lm, prompts) -> None:
+    levels = [int(b) for b in args.prefill_batches.split(",")]
+    bursts: dict[int, Burst] = {}
+    for most in levels:  # in order: each engine's warm-up compiles only what the ones before did not
+        config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len, max_prefill_batch=most,
+                              spec=jaxspec.SpecConfig(method=args.method))
+        bursts[most] = Burst(config, args.policy, lm)
+        seconds, _ = clocked(lambda b=bursts[most]: (b.engine.start(), b.engine.ready.wait()))
+        print(f"# max_prefill_batch={most}: warm-up {seconds:.1f} s (prefill batch sizes "
+              f"{config.prefill_batch_sizes})", flush=True)
+    requests = args.requests or 8
+    max_tokens = args.max_tokens or 32
+    print(f"\n# burst admission: {machine.line(machine.info())}; {requests} requests x {max_tokens} tokens "
+          f"arriving at once, method {args.method}, policy {args.policy}, {args.max_slots} slots\n")
+    print(tables.head(["repeat", "max_prefill_batch", "prefill calls", "prompt tokens (padded)", "TTFT mean s",
+                       "TTFT p50 s", "TTFT max s", "total s"]))
+    for most in levels:  # one burst each, untimed: programs met only under load (regroups) compile here
+        bursts[most].run(prompts[-requests:], max_tokens)
+    results: dict[int, list[dict]] = {most: [] for most in levels}
+    for rep, most in rounds(levels, args.repeats, alternate=True):
+        burst = [prompts[(rep * requests + i) % len(prompts)] for i in range(requests)]
+        r = bursts[most].run(burst, max_tokens)
+        results[most].append(r)
+        print(tables.row([rep, most, "+".join(map(str, r["batches"])), f"{sum(map(len, burst))} ({r['padded']})",
+                          f"{statistics.mean(r['ttft']):.2f}",
+                          f"{statistics.median(r['ttft']):.2f}", f"{max(r['ttft']):.2f}", f"{r['total_s']:.2f}"]),
+              flush=True)
+    print("\n" + tables.head(["max_prefill_batch", "TTFT mean s", "TTFT p50 s", "TTFT max s", "total s",
+                              "tokens/s"]))
+    for most in levels:
+        rs = results[most]
+        print(tables.row([most, *(f"{statistics.mean(stat(r['ttft']) for r in rs):.2f}"
+                                  for stat in (statistics.mean, statistics.median, max)),
+                          f"{statistics.mean(r['total_s'] for r in rs):.2f}",
+                          f"{sum(r['generated'] for r in rs) / sum(r['total_s'] for r in rs):.1f}"]))
+    base = levels[0]
+    same = all(results[most][i]["tokens"] == results[base][i]["tokens"]
+               for most in levels for i in range(args.repeats))
+    print(f"\nevery engine gave the same tokens to every request: {'yes' if same else 'NO'}")
+    for b in bursts.values():
+        b.engine.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default="off,adaptive",
                    help="policies, the first is the baseline (default: %(default)s)")
     p.add_argument("--method", default="sam", help="the engine's speculation method (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=48, help="requests per burst (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=96, help="max_tokens per request (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=4, help="bursts per policy, order alternating (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per burst (default: 48; 8 with --prefill-batches)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="max_tokens per request (default: 96; 32 with --prefill-batches)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="bursts per policy, order alternating (default: 4; 3 with --prefill-batches)")
+    p.add_argument("--prefill-batches", default=None,
+                   help="measure burst admission instead: max_prefill_batch values, the first the baseline (e.g. 1,8)")
+    p.add_argument("--policy", default="adaptive", help="the policy with --prefill-batches (default: %(default)s)")
     p.add_argument("--max-slots", type=int, default=8, help="engine slots (default: %(default)s)")
     p.add_argument("--cache-len", type=int, default=1024, help="KV slots per row (default: %(default)s)")
     args = p.parse_args()
 
     lm = jaxspec.load_model("smollm2-135m")
     prompts = workloads.free_form_prompts(lm.tokenizer)
+    if args.prefill_batches:
+        args.repeats = args.repeats or 3
+        burst_main(args, lm, prompts)
+        return
+    args.requests, args.max_tokens, args.repeats = args.requests or 48, args.max_tokens or 96, args.repeats or 4
     config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len,
                           spec=jaxspec.SpecConfig(method=args.method))
     names = args.policies.split(",")

@@ -1,9 +1,9 @@
 """The serving engine on the tiny random model: continuous batching must not change what a request gets.
 
 Greedy and seeded requests streamed through the engine (mixed methods, draft budgets and sampling settings in
-one batch, more requests than slots, rows joining and leaving between chunks) must equal offline
-`jaxspec.generate` token for token; stops, token budgets, cancellation, a full queue, validation and shutdown
-are checked at the request level. Offline references decode plainly: greedy and seeded speculative output
+one batch, more requests than slots, rows joining and leaving between chunks, requests prefilled together) must
+equal offline `jaxspec.generate` token for token; stops, token budgets, cancellation, a full queue, validation
+and shutdown are checked at the request level. Offline references decode plainly: greedy and seeded speculative output
 equals plain output (tests/test_speculative.py).
 
 Every engine here uses one configuration (4 slots, buckets 1, 2 and 4, K = 4), so the compiled programs are
@@ -13,6 +13,8 @@ shared.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import threading
 import time
 
@@ -309,11 +311,13 @@ def test_more_requests_than_slots(tiny_lm, fixed_engine, chunk_log):
 
 
 def test_regroup_moves_live_rows(tiny_lm, fresh_engine):
-    """Deterministic regroups of several live rows: queued before the start, three requests grow the state
-    1 -> 2 -> 4 rows (keeping 1, then 2 rows); when the short first one ends, the state shrinks to 2 rows
-    keeping rows 1 and 2 (moved to 0 and 1) mid-generation. Outputs must not notice."""
+    """Deterministic regroups of several live rows: queued before the start and admitted one at a time
+    (max_prefill_batch=1), three requests grow the state 1 -> 2 -> 4 rows (keeping 1, then 2 rows); when the
+    short first one ends, the state shrinks to 2 rows keeping rows 1 and 2 (moved to 0 and 1) mid-generation.
+    Outputs must not notice."""
     chunks = []
-    engine = fresh_engine(observers=[lambda kind, info: chunks.append(info) if kind == "chunk" else None])
+    engine = fresh_engine(dataclasses.replace(CONFIG, max_prefill_batch=1),
+                          observers=[lambda kind, info: chunks.append(info) if kind == "chunk" else None])
     requests = [Request(PROMPTS[0], 6, method="none"), Request(PROMPTS[1], 40, method="sam"),
                 Request(PROMPTS[3], 40, method="ngram", num_speculative_tokens=2)]
     collectors = [Collector() for _ in requests]
@@ -338,6 +342,150 @@ def test_context_limit_request_equals_offline(tiny_lm, fixed_engine):
     assert len(results[0].tokens) == n and results[0].final.finish_reason == "length"
     for req, c in zip(requests[1:], results[1:]):
         assert c.tokens == offline(tiny_lm, req.prompt_ids)
+
+
+# ---------------------------------------------------------------------- batched prefill
+
+# 40 tokens (the 64-token prompt bucket) and 27 (the 32-token one): prefilled beside PROMPTS, they pad them.
+LONG_PROMPTS = [[13, 14, 15, 16, 17] * 8, PROMPTS[5] + PROMPTS[6]]
+
+
+def _burst() -> list[Request]:
+    """Mixed prompt buckets, greedy and seeded rows, rows with and without log-probabilities, methods none,
+    ngram and sam with their budgets; on 4 slots, the first four are admitted together, then requests 4 and 5
+    together when the two 12-token ones end, then the others as slots free."""
+    seeded = [SamplingParams(temperature=0.8, seed=31), SamplingParams(temperature=0.8, top_k=5, seed=32),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=33)]
+    return [Request(PROMPTS[0], N, method="sam"),
+            Request(LONG_PROMPTS[0], 12, sampling=seeded[0], method="ngram", logprobs=2),
+            Request(PROMPTS[2], 12, method="none", logprobs=0),
+            Request(PROMPTS[3], N, sampling=seeded[1], method="sam"),
+            Request(PROMPTS[9], N, method="ngram", num_speculative_tokens=2),
+            Request(LONG_PROMPTS[1], N, method="sam", logprobs=3),
+            Request(PROMPTS[7], 16, sampling=seeded[2], method="none"),
+            Request(PROMPTS[8], N, method="sam", num_speculative_tokens=1)]
+
+
+def _run_queued(engine: Engine, requests: list[Request]) -> list[Collector]:
+    """Queue every request before the loop starts (its first visit sees them all), then run them."""
+    collectors = [Collector() for _ in requests]
+    for req, c in zip(requests, collectors):
+        engine.submit(req, c)
+    engine.start(warmup=False)
+    return [c.wait() for c in collectors]
+
+
+def test_a_burst_prefilled_in_batches_equals_one_at_a_time_and_offline(tiny_lm, fresh_engine):
+    """Requests arriving together are prefilled together (prompts padded to the longest one's bucket, the batch
+    to a compiled size): every request gets the tokens, draft flags, counts and log-probabilities it gets when
+    admitted one at a time (max_prefill_batch=1), and the tokens of `jaxspec.generate` alone."""
+    requests = _burst()
+    admits: dict[int, list[int]] = {1: [], 8: []}
+    results = {}
+    for most in (8, 1):
+        def observe(kind, info, most=most):
+            if kind == "admit":
+                admits[most].append(info["prefill_batch"])
+
+        engine = fresh_engine(dataclasses.replace(CONFIG, max_prefill_batch=most), observers=[observe])
+        results[most] = _run_queued(engine, requests)
+        # Each admission event names the size of its prefill: calls = events / size summed.
+        assert engine.metrics.prefills == round(sum(1 / b for b in admits[most]))
+        assert engine.metrics.prompt_tokens == sum(len(r.prompt_ids) for r in requests)
+        assert engine.metrics.generated_tokens == sum(r.max_tokens for r in requests)
+    # The batched engine admitted the first four together (its slots), then two together.
+    assert admits[8][:6] == [4] * 4 + [2] * 2, admits[8]
+    assert round(sum(1 / b for b in admits[8])) < len(requests), "every request was prefilled alone"
+    assert admits[1] == [1] * len(requests)
+    for i, (req, batched, alone) in enumerate(zip(requests, results[8], results[1])):
+        assert batched.tokens == alone.tokens == offline(tiny_lm, req.prompt_ids, req.sampling)[: req.max_tokens], i
+        assert [o.token_ids for o in batched.outputs] == [o.token_ids for o in alone.outputs], i
+        assert [f for o in batched.outputs for f in o.from_draft] == [f for o in alone.outputs for f in o.from_draft]
+        a, b = batched.final.stats, alone.final.stats
+        assert (a.steps, a.drafted, a.accepted, a.committed) == (b.steps, b.drafted, b.accepted, b.committed), i
+        assert batched.final.finish_reason == "length"
+        if req.method == "none":
+            assert a.drafted == 0
+        elif req.sampling.temperature == 0:  # the random model's greedy text repeats itself: lookups find it
+            assert a.accepted > 0, f"request {i} ({req.method}): drafted {a.drafted}, accepted {a.accepted}"
+        if req.logprobs is None:
+            assert all(o.logprobs is None for o in batched.outputs)
+            continue
+        got, want = ([e for o in c.outputs for e in o.logprobs] for c in (batched, alone))
+        ref = jaxspec.generate(tiny_lm, [req.prompt_ids], max_new_tokens=req.max_tokens, sampling=req.sampling,
+                               logprobs=3).logprobs[0]
+        assert [e.token_id for e in got] == [e.token_id for e in want] == batched.tokens
+        assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top] for e in want]
+        assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top[:req.logprobs]] for e in ref]
+        np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want], atol=2e-5)
+        np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in ref], atol=2e-5)
+
+
+def test_max_prefill_batch_is_validated():
+    with pytest.raises(ValueError, match="max_prefill_batch=0"):
+        EngineConfig(max_prefill_batch=0)
+    with pytest.raises(ValueError, match="max_prefill_batch=-2"):
+        EngineConfig(max_prefill_batch=-2)
+    # Powers of two below min(max_prefill_batch, max_slots), and that bound itself.
+    assert EngineConfig(max_prefill_batch=8).prefill_batch_sizes == (1, 2, 4, 8)
+    assert EngineConfig(max_prefill_batch=1).prefill_batch_sizes == (1,)
+    assert EngineConfig().max_prefill_batch == 1  # on CPU batched prefill measured slower (docs/BENCHMARKS.md)
+    assert EngineConfig(max_prefill_batch=6).prefill_batch_sizes == (1, 2, 4, 6)
+    assert EngineConfig(max_slots=4, max_prefill_batch=16).prefill_batch_sizes == (1, 2, 4)
+
+
+def _run_together(engine: Engine, requests: list[Request]) -> list[Collector]:
+    """Submit `requests` while the engine thread waits in the final event of a one-token request (admitted
+    alone), so that its next look at the queue finds them all; then wait for them."""
+    held, gate = threading.Event(), threading.Event()
+
+    def hold(out: Output) -> None:
+        held.set()
+        gate.wait(60)
+
+    engine.submit(Request(PROMPTS[0], 1), hold)
+    assert held.wait(TIMEOUT_S)
+    collectors = [Collector() for _ in requests]
+    for req, c in zip(requests, collectors):
+        engine.submit(req, c)
+    gate.set()
+    return [c.wait() for c in collectors]
+
+
+_PROGRAMS = re.compile(r"Compiling jit\((prefill|_insert_rows|insert|decode_chunk)\)")
+
+
+def test_warmup_compiles_every_batched_prefill(tiny_lm, fresh_engine, caplog):
+    """After `warmup`, bursts of 1 to 4 requests of every prompt bucket, into an empty batch or beside a
+    running row, compile no prefill, row write or decode program."""
+    prompts = [PROMPTS[0], LONG_PROMPTS[1], LONG_PROMPTS[0], [3, 4, 5] * 30]  # buckets 16, 32, 64 and 128
+    bursts = [[Request(p, 6 + 4 * i, method=["sam", "none", "ngram"][i % 3], logprobs=[None, 2][i % 2])
+               for i, p in enumerate(prompts[:count])] for count in (1, 2, 3, 4)]  # prefill sizes 1, 2, 4, 4
+    late = [Request(p, 5) for p in prompts[1:]]
+    first = Request(PROMPTS[1], N, method="none")  # running when the `late` ones join it
+    want = {id(r): offline(tiny_lm, r.prompt_ids)[: r.max_tokens] for r in [first, *late, *sum(bursts, [])]}
+    admits = []
+    engine = fresh_engine(dataclasses.replace(CONFIG, slot_buckets=(1, 4), max_prefill_batch=4),
+                          observers=[lambda kind, info: admits.append(info["prefill_batch"]) if kind == "admit" else 0])
+    engine.start(warmup=True)
+    assert engine.ready.wait(TIMEOUT_S) and engine.failed is None
+    with caplog.at_level(logging.DEBUG, logger="jax._src.interpreters.pxla"):
+        for requests in bursts:
+            for req, c in zip(requests, _run_together(engine, requests)):
+                assert c.tokens == want[id(req)]
+        running = Collector(block_at=1)  # the engine thread waits in its second event until the others queue
+        engine.submit(first, running)
+        running.wait_events(2)
+        collectors = [Collector() for _ in late]
+        for req, c in zip(late, collectors):
+            engine.submit(req, c)
+        running.release()
+        for req, c in zip(late, collectors):
+            assert c.wait().tokens == want[id(req)]
+        assert running.wait().tokens == want[id(first)]
+    assert admits == [1, 1] + [1, 2, 2] + [1, 3, 3, 3] + [1, 4, 4, 4, 4] + [1, 3, 3, 3]  # each burst behind a holder
+    compiled = [r.getMessage()[:80] for r in caplog.records if _PROGRAMS.search(r.getMessage())]
+    assert not compiled, compiled
 
 
 # ---------------------------------------------------------------------- stops and budgets

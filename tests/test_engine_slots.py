@@ -2,7 +2,8 @@
 
 Each pure function is checked row by row against the states it was given: `empty_state` copies, `insert`
 writes one row, `regroup` moves the kept rows to the front of a smaller or larger batch in the given order,
-`finish` marks rows done, `stack_settings` fills free rows with defaults. Then the `Runner` is driven by hand
+`finish` marks rows done, `stack_settings` fills free rows with defaults; the runner's batched admission writes
+each row where admitting it alone would. Then the `Runner` is driven by hand
 (admissions into chosen slots, a compaction that swaps two rows mid-generation, a growth with a new request
 joining) and every token, draft flag and count must equal what the threaded engine gives the same requests.
 """
@@ -119,6 +120,40 @@ def test_stack_settings_gives_free_rows_the_defaults():
     want = SamplingParams.stack([SamplingParams(), row.sampling, SamplingParams()])
     for a, b in zip(jax.tree.leaves(sampling), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_admit_batch_writes_each_request_where_admit_would(tiny_lm):
+    """Three requests prefilled together (a 40-token prompt pads the others to its bucket; the batch of 3 is
+    padded to 4, the dummy row dropped) into slots 3, 0 and 2 leave the batch as admitting them one by one
+    does: every row equal, but for float rounding in the prompts' K/V and the first token's log-probability
+    (another width and batch size) and the K/V of padding positions, which no step reads."""
+    long = [13, 14, 15, 16, 17] * 8
+    requests = [Request(PROMPTS[0], N, method="sam"),
+                Request(long, 12, SamplingParams(temperature=0.8, seed=5), method="ngram", num_speculative_tokens=2,
+                        logprobs=2),
+                Request(PROMPTS[2], 20, method="none")]
+    slots_ = [3, 0, 2]
+    stops = [validate(r, CONFIG, vocab_size=tiny_lm.config.vocab_size, eos_ids=eos_ids(tiny_lm)) for r in requests]
+    together, alone = Runner(tiny_lm, CONFIG, new_metrics()), Runner(tiny_lm, CONFIG, new_metrics())
+    together.reset(4)
+    alone.reset(4)
+    firsts = together.admit_batch([(i, r, r.method, st) for i, r, st in zip(slots_, requests, stops)])
+    assert firsts == [alone.admit(i, r, r.method, st) for i, r, st in zip(slots_, requests, stops)]
+    got, want = host(together.state), host(alone.state)
+
+    def exact(state: DecodeState) -> DecodeState:
+        return state.replace(cache=None, logprobs=state.logprobs.replace(token=None, top_ids=None, top=None))
+
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(exact(got))[0], jax.tree.leaves(exact(want))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    for a, b in zip(jax.tree.leaves((got.cache.k, got.cache.v)), jax.tree.leaves((want.cache.k, want.cache.v))):
+        for slot, r in zip(slots_, requests):
+            n = len(r.prompt_ids)
+            np.testing.assert_allclose(np.asarray(a)[slot, :, :n], np.asarray(b)[slot, :, :n], atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b)[1])  # the free row: untouched
+    n = len(long)
+    np.testing.assert_allclose(got.logprobs.token[0, n], want.logprobs.token[0, n], atol=2e-5)
+    np.testing.assert_array_equal(got.logprobs.top_ids[0, n], want.logprobs.top_ids[0, n])
 
 
 # ---------------------------------------------------------------------- the runner by hand vs the engine

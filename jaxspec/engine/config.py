@@ -1,8 +1,11 @@
-"""The engine's static settings: slots and their compiled batch sizes, cache length, the methods compiled in."""
+"""The engine's static settings: slots and their compiled batch sizes, cache length, the methods compiled in,
+how many requests one prefill admits."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax
 
 from ..config import SpecConfig
 from ..methods import METHODS, names
@@ -25,12 +28,22 @@ class EngineConfig:
     slot_buckets: tuple[int, ...] | None = None  # compiled batch sizes; default 1 and multiples of 8
     attention_impl: str | None = None  # "xla" or "pallas"; None: Pallas on GPU, XLA elsewhere
     max_logprobs: int | None = 20  # most likely tokens a request may ask for per position; None: no logprobs
+    # The most waiting requests admitted by one prefill call; 1: one at a time. None: 8 on accelerators, 1 on
+    # CPU, where a prefill costs the same per token at any batch size and padding prompts to the longest one's
+    # bucket adds tokens, so batching made the mean time to first token worse (0.74 s -> 1.74 s for a burst
+    # of 8 requests, scripts/bench_engine.py --prefill-batches 1,8, docs/BENCHMARKS.md).
+    max_prefill_batch: int | None = None
 
     def __post_init__(self):
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots!r} must be >= 1")
         if self.chunk_steps < 1:
             raise ValueError(f"chunk_steps={self.chunk_steps!r} must be >= 1")
+        if self.max_prefill_batch is None:
+            object.__setattr__(self, "max_prefill_batch", 1 if jax.default_backend() == "cpu" else 8)
+        if isinstance(self.max_prefill_batch, bool) or not isinstance(self.max_prefill_batch, int) \
+                or self.max_prefill_batch < 1:
+            raise ValueError(f"max_prefill_batch={self.max_prefill_batch!r} must be None or an integer >= 1")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting={self.max_waiting!r} must be >= 0")
         if self.max_logprobs is not None and not 0 <= self.max_logprobs <= 1024:
@@ -60,6 +73,13 @@ class EngineConfig:
     def num_speculative_tokens(self) -> int:
         """K: the engine's draft budget (the default method's, or 8 when that method is `none`)."""
         return self.spec.num_speculative_tokens or 8
+
+    @property
+    def prefill_batch_sizes(self) -> tuple[int, ...]:
+        """The compiled prefill batch sizes: powers of two below m = min(max_prefill_batch, max_slots), and m.
+        n requests admitted together are prefilled at the smallest size >= n, padded with dummy rows."""
+        most = min(self.max_prefill_batch, self.max_slots)
+        return tuple(sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most}))
 
     @property
     def max_context(self) -> int:

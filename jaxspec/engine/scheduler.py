@@ -1,11 +1,12 @@
 """The `Engine`: requests in from any thread, a loop thread that schedules them onto the device's slots.
 
 `submit` checks a request and queues it; the loop thread, at each visit, retires cancelled rows, admits waiting
-requests into free slots (growing the batch to the next bucket when it is full), asks the policy for draft caps,
-runs one chunk through the `Runner` and hands each request what its row committed, and shrinks the batch when
-few rows remain. A failure stays with what caused it: a request that cannot be admitted, or a callback that
-raises, fails that request alone; a chunk that fails fails the running requests and the engine starts over
-from an empty batch; only chunks failing again and again (a broken device) stop the engine.
+requests into free slots (up to `max_prefill_batch` with one prefill call, growing the batch to a bucket that
+holds them), asks the policy for draft caps, runs one chunk through the `Runner` and hands each request what its
+row committed, and shrinks the batch when few rows remain. A failure stays with what caused it: a request that
+cannot be admitted (alone: requests prefilled together are tried again one by one), or a callback that raises,
+fails that request alone; a chunk that fails fails the running requests and the engine starts over from an
+empty batch; only chunks failing again and again (a broken device) stop the engine.
 """
 
 from __future__ import annotations
@@ -222,43 +223,62 @@ class Engine:
     # ------------------------------------------------------------------ admission and cancellation
 
     def _admit(self) -> None:
+        """Admit waiting requests into free slots, up to `max_prefill_batch` of them with each prefill call."""
         while True:
             with self._lock:
                 if not self._waiting or (self._stopping and not self._drain):
                     return
-                free = [i for i, s in enumerate(self._slots) if s is None]
-                if not free and len(self._slots) == self.config.max_slots:
+                room = min(self.config.max_slots - self.num_active, self.config.max_prefill_batch)
+                if room <= 0:
                     return
-                live = self._waiting.pop(0)
+                batch, cancelled = [], []
+                while self._waiting and len(batch) < room:
+                    live = self._waiting.pop(0)
+                    if live.request_id in self._cancelled:
+                        self._cancelled.discard(live.request_id)
+                        cancelled.append(live)
+                    else:
+                        batch.append(live)
                 self.metrics.requests_waiting = len(self._waiting)
-                cancelled = live.request_id in self._cancelled
-                self._cancelled.discard(live.request_id)
-            if cancelled:
+            for live in cancelled:
                 self._finish(live, [], "cancelled")
-                continue
-            try:
-                if not free:
-                    bigger = next(b for b in self.config.slot_buckets if b > len(self._slots))
-                    self._resize(bigger)
-                    free = [i for i, s in enumerate(self._slots) if s is None]
-                self._admit_one(free[0], live)
-            except Exception as e:  # noqa: BLE001 - a request that cannot be admitted fails alone, and is answered
+            if batch:
+                self._admit_batch(batch)
+
+    def _admit_batch(self, batch: list[LiveRequest]) -> None:
+        """Prefill `batch` together into free slots (growing the batch to a bucket that holds them). When that
+        fails for several requests, each is tried again alone, so a request that cannot be admitted fails alone."""
+        t0 = time.perf_counter()
+        try:
+            free = [i for i, s in enumerate(self._slots) if s is None]
+            if len(free) < len(batch):
+                self._resize(next(b for b in self.config.slot_buckets if b >= self.num_active + len(batch)))
+                free = [i for i, s in enumerate(self._slots) if s is None]
+            slots = free[:len(batch)]
+            firsts = self.runner.admit_batch([(slot, live.request, live.method, live.stop_ids)
+                                              for slot, live in zip(slots, batch)])
+        except Exception as e:  # noqa: BLE001 - a request that cannot be admitted fails alone, and is answered
+            if len(batch) > 1 and not self.runner.lost():
+                _log.exception("admitting %d requests together failed; admitting them one by one", len(batch))
+                for live in batch:
+                    self._admit_batch([live])
+                return
+            for live in batch:
                 self._admission_failed(live, e)
-                continue
+            return
+        admitted = time.perf_counter()
+        self.metrics.prefills += 1
+        for slot, live, first in zip(slots, batch, firsts):
+            live.admitted = admitted
+            live.prefill_s = admitted - t0
+            # A row done at its first token (a stop token, or max_tokens = 1) frees its slot at once.
+            self._slots[slot] = None if first.done else live
+            self.metrics.prompt_tokens += len(live.request.prompt_ids)
+            self._emit(live, first)
             for observer in self.observers:
                 observer("admit", {"queued_s": live.queued_s, "prefill_s": live.prefill_s,
-                                   "prompt_tokens": len(live.request.prompt_ids)})
-            self.metrics.requests_running = self.num_active
-
-    def _admit_one(self, slot: int, live: LiveRequest) -> None:
-        t0 = time.perf_counter()
-        first = self.runner.admit(slot, live.request, live.method, live.stop_ids)
-        live.admitted = time.perf_counter()
-        live.prefill_s = live.admitted - t0
-        # A row done at its first token (a stop token, or max_tokens = 1) frees its slot at once.
-        self._slots[slot] = None if first.done else live
-        self.metrics.prompt_tokens += len(live.request.prompt_ids)
-        self._emit(live, first)
+                                   "prompt_tokens": len(live.request.prompt_ids), "prefill_batch": len(batch)})
+        self.metrics.requests_running = self.num_active
 
     def _admission_failed(self, live: LiveRequest, error: Exception) -> None:
         _log.exception("request %d: admission failed; failing that request", live.request_id)
