@@ -194,9 +194,12 @@ class _Rollout:
                 totals = self._totals(state)
             cap = self.policy.choose(len(rows))
             sampling, limits = self._settings(rows, cap)
+            # A chunk that drafts nothing compiles width 1 alone: a `lax.switch` over the verify widths costs a
+            # third of a plain step at batch 32 on XLA:CPU (docs/BENCHMARKS.md). The proposer still follows
+            # every committed token, so it is ready when speculation turns on.
             state = decode_chunk(lm.graphdef, inputs.params, state, sampling, limits, self.proposer_params,
-                                 proposer=self.proposer, widths=self.widths, attention_impl=self.attention_impl,
-                                 num_steps=self.chunk_steps)
+                                 proposer=self.proposer, widths=self.widths if cap else (1,),
+                                 attention_impl=self.attention_impl, num_steps=self.chunk_steps)
             done = np.asarray(jax.device_get(state.done))
             after = self._totals(state)
             self.chunks.append(ChunkRecord(end_step=after[0], end_s=time.perf_counter() - t0, batch=len(rows),
