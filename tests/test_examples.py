@@ -162,3 +162,103 @@ def test_serve_engine_streams_cancels_and_matches(default_model_installed, capsy
         assert r[name]["events"] >= 2  # streamed: the first token, then chunks
     assert r["plain"]["drafted"] == 0 and r["sam"]["drafted"] > 0 and r["sam"]["accepted"] > 0
     assert "plain and sam identical: True" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------------- grpo
+
+GRPO_PROMPTS = [[5, 6, 7, 8, 5, 6], [10, 11, 12, 13, 10, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+GRPO_TOKEN = 27  # the toy reward: the fraction of a completion's tokens that are this one
+
+
+def _toy_reward(res):
+    return [[sum(t == GRPO_TOKEN for t in s) / max(len(s), 1) for s in group] for group in res.token_ids]
+
+
+@pytest.fixture(scope="module")
+def grpo_lm(tiny_lm):
+    """The tiny model with its LM head scaled 10x: peaked enough that a group's samples share text (group_sam
+    drafts), flat enough that the rewarded token is rare at first."""
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 10.0 if "lm_head" in jax.tree_util.keystr(path) else x, tiny_lm.params)
+    return jaxspec.LanguageModel(name="tiny-peaked", config=tiny_lm.config, graphdef=tiny_lm.graphdef,
+                                 params=params, tokenizer=None)
+
+
+def _grpo_config(ex, **kw):
+    base = dict(num_samples=4, max_new_tokens=24, steps=2, lr=3e-2, train_layers=-1, train_embeddings=True,
+                micro_batch=4, speculation="always")
+    return ex.GRPOConfig(**{**base, **kw})
+
+
+def test_grpo_says_what_it_shows_and_how_to_run_it():
+    ex = _example("grpo")
+    assert "python examples/grpo.py" in ast.get_docstring(ast.parse((EXAMPLES / "grpo.py").read_text()))
+    with pytest.raises(SystemExit) as e:
+        ex.parse_args(["--help"])
+    assert e.value.code == 0
+
+
+def test_grpo_advantages_are_group_relative():
+    adv = _example("grpo").group_advantages([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [0.0, 0.1, 0.0, 0.3]])
+    np.testing.assert_allclose(adv[0], [1, -1, -1, 1], atol=1e-3)
+    assert np.all(adv[1] == 0)  # a group that all got the same reward teaches nothing
+    np.testing.assert_allclose(adv.mean(axis=1), 0, atol=1e-6)
+    assert adv[2].argmax() == 3 and adv[2, 0] == adv[2, 2] < 0
+
+
+def test_grpo_reward_truncates_and_runs_the_tests():
+    ex = _example("grpo")
+    problem = {"prompt": 'def add(x, y):\n    """x plus y."""', "entry_point": "add",
+               "test": "def check(f):\n    assert f(1, 2) == 3\n"}
+    prompt = ex.humaneval_prompt(problem)
+    assert ex.truncate_completion("\n    return x + y\n\n\nprint(add(1, 2))\n") == "\n    return x + y\n\n"
+
+    def score(text):
+        return ex.score_completion(prompt, problem, text, timeout=10.0, parse_credit=0.1)
+
+    assert score("\n    return x + y\nif __name__ == '__main__':\n    raise SystemExit(1)") == 1.0
+    assert score("\n    return x - y\n") == 0.1  # parses, fails its test
+    assert score("\n    return x +\n") == 0.0  # does not parse
+    assert score("\n\nprint(add(1, 2))") == 0.0  # no body: the docstring alone parses but earns nothing
+
+
+def test_grpo_trains_the_tiny_model_towards_the_rewarded_token(grpo_lm):
+    ex = _example("grpo")
+    params, history = ex.train(grpo_lm, GRPO_PROMPTS, _toy_reward, _grpo_config(ex, steps=5))
+    assert [row["step"] for row in history] == list(range(5))
+    for row in history:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+        assert row["logprob_mismatch"] < 1e-3  # the training forward scores the rollout's tokens as it did
+    assert history[0]["drafted"] > 0, "group_sam drafted from the group's samples"
+    assert [x.shape for x in jax.tree.leaves(params)] == [x.shape for x in jax.tree.leaves(grpo_lm.params)]
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(grpo_lm.params)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(grpo_lm.params)))
+    # The rewarded token starts rare (~3% of the tokens) and the policy learns to emit it.
+    first, last = history[0]["mean_reward"], max(row["mean_reward"] for row in history[-2:])
+    assert last > first + 0.2, [row["mean_reward"] for row in history]
+
+
+def test_grpo_update_raises_the_log_probability_of_high_advantage_samples(grpo_lm):
+    ex = _example("grpo")
+    config = _grpo_config(ex, lr=1e-3)
+    res = jaxspec.rollout(grpo_lm, GRPO_PROMPTS, num_samples=config.num_samples,
+                          max_new_tokens=config.max_new_tokens, sampling=jaxspec.SamplingParams(temperature=1.0),
+                          spec=jaxspec.SpecConfig(method="group_sam"), speculation="always", seed=3)
+    adv = ex.group_advantages(_toy_reward(res))
+    assert np.abs(adv).max() > 0.5
+    batch = ex.make_batch(GRPO_PROMPTS, res.token_ids, res.logprobs, adv, max_new_tokens=config.max_new_tokens,
+                          micro_batch=config.micro_batch)
+    trainer = ex.GRPOTrainer(grpo_lm, config)
+    before = trainer.logprobs(grpo_lm.params, batch)
+    np.testing.assert_allclose(before, batch.old_logprobs, atol=1e-4)  # the rollout's own log-probabilities
+    params, metrics = trainer.update(grpo_lm.params, batch)
+    after = trainer.logprobs(params, batch)
+
+    def objective(logp):  # what the loss maximises at ratio 1: sum_i A_i log pi(completion_i)
+        return float((batch.advantages * logp.sum(axis=1)).sum())
+
+    assert math.isfinite(metrics["loss"])
+    assert objective(after) > objective(before)
+    delta = after.sum(axis=1) - before.sum(axis=1)
+    best, worst = np.argmax(batch.advantages), np.argmin(batch.advantages)
+    assert delta[best] > delta[worst]
