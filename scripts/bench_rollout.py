@@ -73,11 +73,18 @@ def ceiling(prompts: list[list[int]], samples: list[list[list[int]]]) -> tuple[f
 def run(lm, method: str, prompts, common: dict, every, generate_sampling, earlier):
     """One timed call: `generate` over every sample, or a rollout with the method (earlier: the references)."""
     if method == "generate":
-        return jaxspec.generate(lm, every, max_new_tokens=common["max_new_tokens"], sampling=generate_sampling)
+        res = jaxspec.generate(lm, every, max_new_tokens=common["max_new_tokens"], sampling=generate_sampling)
+        print(f"  generate: {res.stats.prefill_s + res.stats.decode_s:.1f} s", flush=True)
+        return res
     spec = None if method.startswith("none") else SpecConfig(method=method.split("+")[0])
     refs = earlier if method.endswith("+refs") else None
-    return jaxspec.rollout(lm, prompts, spec=spec, references=refs, logprobs=False,
-                           shared_prefill=method != "none-unshared", **common)
+    res = jaxspec.rollout(lm, prompts, spec=spec, references=refs, logprobs=False,
+                          shared_prefill=method != "none-unshared", **common)
+    s = res.stats
+    print(f"  {method}: wall {s.wall_s:.1f} s, prefill {s.prefill_s:.2f} s, tail {s.tail_s:.1f} s, acceptance "
+          f"{s.mean_acceptance_length:.3f} (tail {s.tail_mean_acceptance_length:.3f}), caps "
+          f"{[(c.batch, c.draft_cap) for c in s.chunks]}", flush=True)
+    return res
 
 
 def main(argv=None) -> int:
@@ -127,7 +134,7 @@ def main(argv=None) -> int:
             rows.append((m, f"{wall[m]:.1f}", f"{statistics.median(x.stats.prefill_s for x in runs):.2f}",
                          tables.fmt(wall.get("none", np.nan) / wall[m], ".3f"),
                          tables.fmt(tail.get(m), ".1f"),
-                         tables.fmt(tail["none"] / tail[m] if m in tail and "none" in tail else None, ".3f"),
+                         tables.fmt(tail["none"] / tail[m] if tail.get(m) and "none" in tail else None, ".3f"),
                          tables.fmt(acc), tables.fmt(tail_acc), f"{tokens / wall[m]:.0f}",
                          f"{same}/{len(flat)}" if same is not None else "-"))
             entry[m] = dict(wall_s=[x.stats.decode_s + x.stats.prefill_s if m == "generate" else x.stats.wall_s

@@ -10,6 +10,8 @@ joining) and every token, draft flag and count must equal what the threaded engi
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,7 +136,8 @@ def test_admit_batch_writes_each_request_where_admit_would(tiny_lm):
                 Request(PROMPTS[2], 20, method="none")]
     slots_ = [3, 0, 2]
     stops = [validate(r, CONFIG, vocab_size=tiny_lm.config.vocab_size, eos_ids=eos_ids(tiny_lm)) for r in requests]
-    together, alone = Runner(tiny_lm, CONFIG, new_metrics()), Runner(tiny_lm, CONFIG, new_metrics())
+    config = dataclasses.replace(CONFIG, max_prefill_batch=4)  # 1 by default on CPU
+    together, alone = Runner(tiny_lm, config, new_metrics()), Runner(tiny_lm, config, new_metrics())
     together.reset(4)
     alone.reset(4)
     firsts = together.admit_batch([(i, r, r.method, st) for i, r, st in zip(slots_, requests, stops)])

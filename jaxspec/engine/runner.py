@@ -210,7 +210,10 @@ class Runner:
 
     def prefill_size(self, n: int) -> int:
         """The compiled prefill batch size that n requests admitted together are padded to."""
-        return next(b for b in self.config.prefill_batch_sizes if b >= n)
+        fits = [b for b in self.config.prefill_batch_sizes if b >= n]
+        if not fits:
+            raise ValueError(f"{n} requests exceed max_prefill_batch={self.config.max_prefill_batch}")
+        return fits[0]
 
     def prefill_requests(self, requests: Sequence[Request], methods: Sequence[str],
                          stop_ids: Sequence[Sequence[int]]) -> DecodeState:
