@@ -452,7 +452,7 @@ def _run_together(engine: Engine, requests: list[Request]) -> list[Collector]:
     return [c.wait() for c in collectors]
 
 
-_PROGRAMS = re.compile(r"Compiling jit\((prefill|_insert_rows|insert|decode_chunk)\)")
+_PROGRAMS = re.compile(r"Compiling jit\((prefill|insert_rows|insert|decode_chunk)\)")
 
 
 def test_warmup_compiles_every_batched_prefill(tiny_lm, fresh_engine, caplog):

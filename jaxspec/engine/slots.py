@@ -5,7 +5,8 @@ step counter, a scalar, excepted). Rows come and go without recompiling anything
 
 - `empty_state(row, n)`: n finished copies of a one-row state, the batch no request holds yet (`empty_like`:
   the same from any batch's row 0);
-- `insert(state, row, slot)`: a freshly prefilled one-row state written into row `slot`, in place;
+- `insert(state, row, slot)`: a freshly prefilled one-row state written into row `slot`, in place
+  (`insert_rows`: several rows into several slots);
 - `regroup(state, keep, empty)`: rows `keep` of `state`, in that order, moved to the front of a batch of any
   other size (compaction when rows finished, growth when more are needed);
 - `finish(state, rows)`: rows marked done, so the loop stops advancing them;
@@ -66,6 +67,19 @@ def insert(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState
         return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
 
     return _map_rows(put, state, row)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert_rows(state: DecodeState, rows: DecodeState, dest: jax.Array) -> DecodeState:
+    """`state` (donated: updated in place) with row dest[i] replaced by row i of `rows` (dest i32[R], distinct;
+    an index past the batch drops that row): `insert` for several rows at once, one scatter per array instead
+    of a slice and an insert per row (under half the time for 8 rows of the default model)."""
+    def put(big, small):
+        if big.ndim == 0:
+            return big  # the loop's step counter
+        return big.at[dest].set(small.astype(big.dtype), mode="drop", unique_indices=True)
+
+    return _map_rows(put, state, rows)
 
 
 @functools.partial(jax.jit, donate_argnames=("empty",))

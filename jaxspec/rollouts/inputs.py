@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,6 @@ from ..proposers.group_sam import GroupReferences
 from ..shapes import next_pow2
 
 LOGPROB_MODES = ("sampling", "raw")  # under the distribution sampled from, or the target's raw softmax
-SPECULATION = ("adaptive", "always", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +45,10 @@ class RolloutInputs:
         return len(self.ids) * self.num_samples
 
 
-@jax.jit
-def _sample_seeds(key: jax.Array, num_prompts: jax.Array, num_samples: jax.Array) -> jax.Array:
-    p = jnp.arange(num_prompts.shape[0], dtype=jnp.uint32)
-    g = jnp.arange(num_samples.shape[0], dtype=jnp.uint32)
+@functools.partial(jax.jit, static_argnames=("num_prompts", "num_samples"))
+def _sample_seeds(key: jax.Array, num_prompts: int, num_samples: int) -> jax.Array:
+    p = jnp.arange(num_prompts, dtype=jnp.uint32)
+    g = jnp.arange(num_samples, dtype=jnp.uint32)
     bits = jax.vmap(jax.vmap(lambda i, j: jax.random.bits(jax.random.fold_in(jax.random.fold_in(key, i), j), (),
                                                           jnp.uint32), (None, 0)), (0, None))
     return bits(p, g)
@@ -61,8 +61,7 @@ def sample_seeds(seed: int, num_prompts: int, num_samples: int) -> np.ndarray:
     batch, its order, compaction, the speculation method or the devices: pass these seeds to `jaxspec.generate`
     (one row per sample) and it samples the same tokens.
     """
-    shape_only = np.zeros((num_prompts,), np.uint8), np.zeros((num_samples,), np.uint8)
-    return np.asarray(_sample_seeds(jax.random.key(seed), *shape_only))
+    return np.asarray(_sample_seeds(jax.random.key(seed), num_prompts=num_prompts, num_samples=num_samples))
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -180,11 +179,6 @@ def validate(lm: LanguageModel, prompts, *, num_samples, max_new_tokens, samplin
     return RolloutInputs(ids=ids, num_samples=num_samples, max_new_tokens=max_new_tokens, sampling=rows,
                          stop_table=np.repeat(stops, num_samples, axis=0), spec=spec, params=params,
                          references=refs, logprobs=bool(logprobs), logprobs_mode=logprobs_mode)
-
-
-def rows_of(values: Sequence, num_samples: int) -> list:
-    """Per-prompt values repeated for each of the prompt's samples, in row order."""
-    return [v for v in values for _ in range(num_samples)]
 
 
 def available_memory() -> int:

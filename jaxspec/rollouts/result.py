@@ -103,7 +103,9 @@ def timeline_stats(samples: list[SampleRecord], chunks: list[ChunkRecord], *, wa
     step_end = np.interp(np.arange(1, steps + 1), chunk_steps, chunk_times) if steps else np.zeros((0,))
     finish_step = np.array([s.steps for s in samples])  # a sample finishing in prefill: step 0
     finish_s = np.where(finish_step > 0, np.interp(finish_step, chunk_steps, chunk_times), prefill_s)
-    active = np.array([(finish_step > s).sum() for s in range(steps)], np.int64)
+    # Samples active at step s: those finishing after it (a count of finish steps, summed from the end).
+    finished_at = np.bincount(np.minimum(finish_step, steps), minlength=steps + 1)  # i64[steps + 1]
+    active = (len(samples) - np.cumsum(finished_at))[:steps].astype(np.int64)
     per_step = np.zeros((steps,), np.int64)
     for s in samples:
         per_step[: s.steps] += s.committed[: s.steps]
