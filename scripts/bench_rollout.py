@@ -13,9 +13,10 @@ after a warm-up that compiles everything:
 * group_sam  rollout, each row drafting from every sample of its prompt;
 * group_sam+refs  the same with an earlier rollout (another seed) of each prompt as references.
 
-All speculation runs use the default adaptive policy (speculate where the measured verify cost of the current
-batch is repaid by the measured acceptance). Every run must produce the same samples as `generate` (the table
-counts identical samples). Reported: whole-rollout wall time and its ratio to rollout-none, the tail (from 90%
+The speculation runs use the policy `--speculation` names: by default adaptive (speculate where the measured
+verify cost of the current batch is repaid by the measured acceptance); "always" measures drafting quality.
+Every run must produce the same samples as `generate` (the table counts identical samples). Reported:
+whole-rollout wall time and its ratio to rollout-none, the tail (from 90%
 of the samples finished to the last) and its ratio, acceptance overall and in the tail, tokens/s; and the
 ceiling: the share of next tokens that the 4-token context before them, seen earlier in the sample's own text
 or anywhere in its group, predicts. A plot shows active rows and committed tokens per step over time.
@@ -78,6 +79,8 @@ def run(lm, method: str, prompts, common: dict, every, generate_sampling, earlie
         return res
     spec = None if method.startswith("none") else SpecConfig(method=method.split("+")[0])
     refs = earlier if method.endswith("+refs") else None
+    if spec is None:
+        common = common | {"speculation": "off"}
     res = jaxspec.rollout(lm, prompts, spec=spec, references=refs, logprobs=False,
                           shared_prefill=method != "none-unshared", **common)
     s = res.stats
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--repeats", type=int, default=1, help="timed rounds after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speculation", default="adaptive", choices=("adaptive", "always", "off"),
+                        help="the rollouts' speculation policy (always: measure drafting quality where it loses)")
     parser.add_argument("--out", default="results/rollout")
     args = parser.parse_args(argv)
 
@@ -104,13 +109,15 @@ def main(argv=None) -> int:
     methods = args.methods.split(",")
     info = machine.info()
     header = (f"{machine.line(info)}\n{len(prompts)} held-out HumanEval prompts x {args.samples} samples, up to "
-              f"{args.new_tokens} new tokens, top-p 1, {args.repeats} timed round(s) after a warm-up\n")
+              f"{args.new_tokens} new tokens, top-p 1, speculation {args.speculation}, {args.repeats} timed "
+              "round(s) after a warm-up\n")
     report, sections = {"machine": info, "args": vars(args), "temperatures": {}}, [header]
     out_dir = Path(args.out)
     for temperature in (float(t) for t in args.temperatures.split(",")):
         sampling = SamplingParams(temperature=temperature)
         common = dict(num_samples=args.samples, max_new_tokens=args.new_tokens, sampling=sampling, seed=args.seed)
         earlier = jaxspec.rollout(lm, prompts, **common | {"seed": args.seed + 1000}, logprobs=False)
+        common["speculation"] = args.speculation
         seeds = jaxspec.sample_seeds(args.seed, len(prompts), args.samples).reshape(-1)
         every = [p for p in prompts for _ in range(args.samples)]
 

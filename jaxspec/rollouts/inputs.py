@@ -58,8 +58,8 @@ def sample_seeds(seed: int, num_prompts: int, num_samples: int) -> np.ndarray:
     """u32[P, G]: the seed of sample g of prompt p, `bits(fold_in(fold_in(key(seed), p), g))`.
 
     A sample's tokens are keyed by its seed and each token's position only, so they do not depend on the
-    batch, its order, compaction, the speculation method or the devices: pass these seeds to `jaxspec.generate`
-    (one row per sample) and it samples the same tokens.
+    batch, its order, compaction or the speculation method: pass these seeds to `jaxspec.generate` (one row
+    per sample) and it samples the same tokens.
     """
     return np.asarray(_sample_seeds(jax.random.key(seed), num_prompts=num_prompts, num_samples=num_samples))
 

@@ -178,7 +178,10 @@ class _Rollout:
                         cache_len=self.cache_len, buffer_len=self.buffer_len, group_size=group_size)
         done = np.asarray(jax.device_get(state.done))
         prefill_s = time.perf_counter() - t0
-        totals = self._totals(state)
+        # What each sample had counted at the last readback (row-steps, accepted drafts per position), so a
+        # chunk's progress is a difference per sample, whichever batch row holds it.
+        seen_steps = np.zeros((inputs.num_rows,), np.int64)
+        seen_accepted = np.zeros((inputs.num_rows, self.proposer.num_speculative_tokens))
         while True:
             live = rows >= 0
             running = int((live & ~done).sum())
@@ -191,7 +194,7 @@ class _Rollout:
                 state = slots.regroup(state, keep, slots.empty_like(state, target))
                 rows = np.concatenate([rows[keep], np.full((target - len(keep),), -1)])
                 done = np.concatenate([np.zeros((len(keep),), bool), np.ones((target - len(keep),), bool)])
-                totals = self._totals(state)
+                live = rows >= 0
             cap = self.policy.choose(len(rows))
             sampling, limits = self._settings(rows, cap)
             # A chunk that drafts nothing compiles width 1 alone: a `lax.switch` over the verify widths costs a
@@ -200,21 +203,17 @@ class _Rollout:
             state = decode_chunk(lm.graphdef, inputs.params, state, sampling, limits, self.proposer_params,
                                  proposer=self.proposer, widths=self.widths if cap else (1,),
                                  attention_impl=self.attention_impl, num_steps=self.chunk_steps)
-            done = np.asarray(jax.device_get(state.done))
-            after = self._totals(state)
-            self.chunks.append(ChunkRecord(end_step=after[0], end_s=time.perf_counter() - t0, batch=len(rows),
+            done, step, row_steps, accepted_at = (np.asarray(x) for x in jax.device_get(
+                (state.done, state.steps, state.counters.steps, state.counters.accepted_at)))  # one readback
+            self.chunks.append(ChunkRecord(end_step=int(step), end_s=time.perf_counter() - t0, batch=len(rows),
                                            active=running, draft_cap=cap))
-            self.policy.observe(cap, after[2] - totals[2], after[1] - totals[1])
-            totals = after
+            held = rows[live]
+            self.policy.observe(cap, (accepted_at[live] - seen_accepted[held]).sum(axis=0),
+                                int((row_steps[live] - seen_steps[held]).sum()))
+            seen_steps[held], seen_accepted[held] = row_steps[live], accepted_at[live]
         self._collect(state, rows, rows >= 0)
         wall_s = time.perf_counter() - t0
         return self._result(wall_s, prefill_s)
-
-    @staticmethod
-    def _totals(state: DecodeState) -> tuple[int, int, np.ndarray]:
-        """(the loop's step counter, row-steps summed over the batch, accepted drafts per position f64[K])."""
-        steps, row_steps, accepted_at = jax.device_get((state.steps, state.counters.steps, state.counters.accepted_at))
-        return int(steps), int(row_steps.sum()), accepted_at.sum(axis=0).astype(np.float64)
 
     def _collect(self, state: DecodeState, rows: np.ndarray, which: np.ndarray) -> None:
         """Read back the samples in batch rows `which` (bool[b]) that are not collected yet."""
