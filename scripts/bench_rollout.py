@@ -141,7 +141,7 @@ def main(argv=None) -> int:
             rows.append((m, f"{wall[m]:.1f}", f"{statistics.median(x.stats.prefill_s for x in runs):.2f}",
                          tables.fmt(wall.get("none", np.nan) / wall[m], ".3f"),
                          tables.fmt(tail.get(m), ".1f"),
-                         tables.fmt(tail["none"] / tail[m] if tail.get(m) and "none" in tail else None, ".3f"),
+                         tables.fmt(tail["none"] / tail[m] if tail.get(m) and tail.get("none") else None, ".3f"),
                          tables.fmt(acc), tables.fmt(tail_acc), f"{tokens / wall[m]:.0f}",
                          f"{same}/{len(flat)}" if same is not None else "-"))
             entry[m] = dict(wall_s=[x.stats.decode_s + x.stats.prefill_s if m == "generate" else x.stats.wall_s
