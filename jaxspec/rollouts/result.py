@@ -69,7 +69,7 @@ class RolloutStats:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutResult:
-    """P prompts x G samples: index [p][g] is sample g of prompt p."""
+    """P prompts x G samples: index `[p][g]` is sample g of prompt p."""
 
     token_ids: list[list[list[int]]]  # the sample's new tokens (its stop token included)
     text: list[list[str]]  # their text (the stop token and special tokens left out)
