@@ -31,20 +31,24 @@ class _Field:
 
     def allowed(self) -> str:
         if not self.integer and self.high == _F32_MAX:
-            return "a finite number >= 0"
+            return "a finite number > 0" if self.low_open else "a finite number >= 0"
         kind = "an integer" if self.integer else "a number"
         low, high = _BOUND_NAMES.get(self.low, repr(self.low)), _BOUND_NAMES.get(self.high, repr(self.high))
         return f"{kind} in {'(' if self.low_open else '['}{low}, {high}]"
 
 
 _F32_MAX = float(np.finfo(np.float32).max)  # a larger temperature is inf once stored as float32
-_BOUND_NAMES = {2**31 - 1: "2**31 - 1", 2**32 - 1: "2**32 - 1", 0.0: "0", 1.0: "1"}
+_BOUND_NAMES = {2**31 - 1: "2**31 - 1", 2**32 - 1: "2**32 - 1", 0.0: "0", 1.0: "1", -2.0: "-2", 2.0: "2"}
 _FIELDS = {
     "temperature": _Field(integer=False, low=0.0, high=_F32_MAX, low_open=False, dtype=np.float32),
     "top_k": _Field(integer=True, low=0, high=2**31 - 1, low_open=False, dtype=np.int32),
     "top_p": _Field(integer=False, low=0.0, high=1.0, low_open=True, dtype=np.float32),
     "min_p": _Field(integer=False, low=0.0, high=1.0, low_open=False, dtype=np.float32),
     "seed": _Field(integer=True, low=0, high=2**32 - 1, low_open=False, dtype=np.uint32),
+    # OpenAI's ranges for the two additive penalties; the multiplicative one only needs to be positive.
+    "presence_penalty": _Field(integer=False, low=-2.0, high=2.0, low_open=False, dtype=np.float32),
+    "frequency_penalty": _Field(integer=False, low=-2.0, high=2.0, low_open=False, dtype=np.float32),
+    "repetition_penalty": _Field(integer=False, low=0.0, high=_F32_MAX, low_open=True, dtype=np.float32),
 }
 # Leaves a user may hand in, all checked. Anything else (tracers, the placeholder objects jax puts in leaves
 # while it unflattens a pytree inside its transformations) passes construction unchecked; `stack` and
@@ -137,6 +141,11 @@ class SamplingParams:
       argmax), exactly as at 0: dividing logits by a smaller temperature overflows float32.
     top_k: an integer in [0, 2**31 - 1]; 0 disables.  top_p: in (0, 1]; 1 disables.
     min_p: in [0, 1]; 0 disables.  seed: an integer in [0, 2**32 - 1].
+    presence_penalty, frequency_penalty: in [-2, 2]; 0 disables. Subtracted from the logit of every token
+      the output holds so far: once (presence) and once per occurrence (frequency), as OpenAI defines them.
+    repetition_penalty: > 0; 1 disables. Divides the positive logits and multiplies the negative ones of every
+      token in the prompt or the output so far (the CTRL rule Hugging Face and vLLM apply).
+    Penalties apply before temperature and truncation (`jaxspec.penalties`).
 
     Construction checks concrete values (scalars, per-row lists, numpy or jax arrays) element by element and
     raises ValueError naming the field; tracers inside jitted code are not checked (they come from checked
@@ -148,6 +157,9 @@ class SamplingParams:
     top_p: float = 1.0  # in (0, 1]; 1 disables
     min_p: float = 0.0  # in [0, 1]; 0 disables
     seed: int = 0  # a request's random numbers derive from this seed and the token position only
+    presence_penalty: float = 0.0  # in [-2, 2]; 0 disables
+    frequency_penalty: float = 0.0  # in [-2, 2]; 0 disables
+    repetition_penalty: float = 1.0  # > 0; 1 disables
 
     def __post_init__(self):
         for name in _FIELDS:
@@ -282,6 +294,9 @@ class SpecConfig:
     # lossless. An integer in [1, vocab_size] (the vocabulary size means all of it); unset takes the method's
     # default for its shipped head, and a head_path of your own drafts over the full vocabulary unless set.
     draft_vocab: int | None = None
+    # Predicted outputs (generate's `prediction=`): the most drafts per step taken from a row's prediction.
+    # Long runs are cheap to verify next to what they save, so this is well above the methods' K.
+    prediction_tokens: int = 32
     draft_model: Any = dataclasses.field(default=None, compare=False, repr=False)  # a LanguageModel
     static_sam: Any = dataclasses.field(default=None, compare=False, repr=False)  # a StaticSuffixAutomaton
     # method "custom": any object following the jaxspec.proposers.base.Proposer protocol (frozen, hashable; its
@@ -315,6 +330,9 @@ class SpecConfig:
             raise ValueError(f"num_speculative_tokens=0 leaves method={self.method!r} nothing to propose")
         if self.min_match < 1:
             raise ValueError(f"min_match={self.min_match!r} must be >= 1")
+        pk = self.prediction_tokens
+        if isinstance(pk, bool) or not isinstance(pk, numbers.Integral) or not 1 <= pk <= 256:
+            raise ValueError(f"prediction_tokens={pk!r} must be an integer in [1, 256]")
         if not self.draft_per_match > 0:
             raise ValueError(f"draft_per_match={self.draft_per_match!r} must be > 0 (math.inf: no cap)")
         if self.ngram_max < self.min_match:

@@ -26,6 +26,7 @@ from . import cost
 from . import logprobs as lp
 from .cache import KVCache
 from .config import SamplingParams
+from .penalties import TokenCounts, penalize_scored
 from .proposers.base import ChainProposer, Committed, Context, Draft, Proposer
 from .rejection import rejection_sample
 from .sampling import row_keys, sample
@@ -113,6 +114,8 @@ class DecodeState:
     pstate: Any  # the proposer's per-row state
     counters: SpecCounters
     logprobs: lp.LogprobBuffer | None = None  # beside `history`, when a row asked for log-probabilities
+    # each row's token counts, when the batch tracks them for penalties (`prefill(track_counts=True)`)
+    counts: TokenCounts | None = None
 
     @property
     def num_generated(self) -> jax.Array:
@@ -158,11 +161,12 @@ def _context(state: DecodeState, sampling: SamplingParams, limits: RowLimits, k:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len", "num_top_logprobs",
-                                             "group_size"))
+                                             "group_size", "track_counts"))
 def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams,
             limits: RowLimits, proposer_params=None, logprob_rows: jax.Array | None = None,
             logprobs_processed: jax.Array | None = None, *, proposer: Proposer = NoProposer(), cache_len: int,
-            buffer_len: int, num_top_logprobs: int = 0, group_size: int = 1) -> DecodeState:
+            buffer_len: int, num_top_logprobs: int = 0, group_size: int = 1,
+            track_counts: bool = False) -> DecodeState:
     """Run the prompts (right-padded i32[P, W], true lengths i32[P]), sample each row's first token and
     initialise the proposer.
 
@@ -173,7 +177,11 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     With `logprob_rows` (bool[B]) the state records the log-probability of every token the marked rows
     generate, and the `num_top_logprobs` most likely tokens at each position (`jaxspec.logprobs`): under the
     target's raw distribution, or, for rows marked in `logprobs_processed` (bool[B]), under the distribution the
-    row samples from (after temperature, top-k, top-p, min-p).
+    row samples from (after penalties, temperature, top-k, top-p, min-p).
+
+    With `track_counts` the state counts each row's prompt and output tokens, and every row's presence,
+    frequency and repetition penalties (`sampling`) apply at every position (`jaxspec.penalties`); without it
+    the penalties are ignored, so a caller whose rows ask for one must set it.
 
     Padding tokens write K/V past a row's length; the length never covers them, so they are overwritten.
     """
@@ -191,7 +199,12 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
             lambda x: jnp.repeat(x, group_size, axis=0), (logits, hidden, prompts, prompt_lens, cache))
     batch = prompts.shape[0]
     cache = cache.advance(prompt_lens)
-    first = sample(row_keys(sampling.seed, cache.lengths), logits[:, 0], sampling)
+    counts = TokenCounts.of_prompts(prompts, prompt_lens, logits.shape[-1]) if track_counts else None
+    # The first token's position has seen the prompt and no output.
+    adjusted = penalize_scored(logits, counts, jnp.zeros((batch, 1), jnp.int32), None, sampling)  # f32[B, 1, V]
+    first = sample(row_keys(sampling.seed, cache.lengths), adjusted[:, 0], sampling)
+    if counts is not None:
+        counts = counts.add(first[:, None], jnp.ones((batch,), jnp.int32))
     history = jnp.zeros((batch, width + buffer_len), jnp.int32).at[:, :width].set(prompts)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
     done = _is_stop(first, limits) | (limits.max_new_tokens <= 1)
@@ -199,12 +212,13 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     if logprob_rows is not None:
         logprobs = lp.LogprobBuffer.zeros(logprob_rows, width + buffer_len, num_top_logprobs, logprobs_processed)
         scored = lp.record(logprobs, jnp.ones((batch,), bool),
-                           lambda: lp.score(logits, first[:, None], num_top_logprobs, sampling, logprobs.processed))
+                           lambda: lp.score(logits, first[:, None], num_top_logprobs, sampling, logprobs.processed,
+                                            adjusted))
         logprobs = lp.write(logprobs, prompt_lens[:, None], scored)
     state = DecodeState(cache=cache, history=history, history_len=prompt_lens + 1, prompt_len=prompt_lens,
                         from_draft=jnp.zeros(history.shape, bool), done=done, steps=jnp.zeros((), jnp.int32), pstate=(),
                         counters=SpecCounters.zeros(batch, proposer.num_speculative_tokens, buffer_len),
-                        logprobs=logprobs)
+                        logprobs=logprobs, counts=counts)
     k = proposer.num_speculative_tokens
     ctx = _context(state, sampling, limits, k)
     if proposer.needs_features:
@@ -238,13 +252,16 @@ def _verified(tokens: jax.Array, num: jax.Array, cache: KVCache, features: jax.A
 
 def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, sampling: SamplingParams,
                  k: int) -> lp.Scored | None:
-    """The log-probabilities of output tokens i32[B, W] under `logits_fn()` f32[B, W, V], padded to K + 1."""
+    """The log-probabilities of output tokens i32[B, W], padded to K + 1, from `logits_fn()`: the raw logits
+    f32[B, W, V] and those the rows sampled from before temperature and truncation (penalised)."""
     buffer = state.logprobs
     if buffer is None:
         return None
-    scored = lp.record(buffer, ~state.done,
-                       lambda: lp.score(logits_fn(), tokens, buffer.num_top, sampling, buffer.processed))
-    return scored.pad(k + 1)
+    def compute():
+        raw, adjusted = logits_fn()
+        return lp.score(raw, tokens, buffer.num_top, sampling, buffer.processed, adjusted)
+
+    return lp.record(buffer, ~state.done, compute).pad(k + 1)
 
 
 def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft: jax.Array,
@@ -255,12 +272,13 @@ def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft:
     fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # i32[B, width]
     positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
     out, cache = model(fed, positions, cache, attention_impl=attention_impl)
+    logits = penalize_scored(out.logits, state.counts, fed, None, sampling)  # f32[B, width, V]
     probs = None if draft.probs is None else draft.probs[:, : width - 1]
     keys = jax.vmap(jax.random.key)(sampling.seed)
     # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
-    tokens, num = rejection_sample(keys, out.logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
+    tokens, num = rejection_sample(keys, logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
                                    positions=cache.lengths + 1)
-    scored = _logprobs_of(state, lambda: out.logits, tokens, sampling, k)
+    scored = _logprobs_of(state, lambda: (out.logits, logits), tokens, sampling, k)
     return _verified(tokens, num, cache, out.hidden if want_features else None, scored, k)
 
 
@@ -281,19 +299,21 @@ def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: j
     depth = node_depth[:, :width]  # i32[B, width]: a parent precedes its child, so a prefix keeps its depths
     mask = tree_ancestor_mask(parents)  # bool[B, width, width]
     out, cache = model(fed, cache.lengths[:, None] + depth, cache, tree_mask=mask, attention_impl=attention_impl)
+    logits = penalize_scored(out.logits, state.counts, fed, mask, sampling)  # f32[B, width, V]
     # Nodes past the row's node count, deeper than it may still emit, or on a path through an out-of-vocabulary
     # token are never accepted.
     valid = ((jnp.arange(n) < num_nodes[:, None]) & (depth[:, 1:] <= max_draft[:, None])
              & _path_in_vocab(mask, in_vocab[:, :n]))  # bool[B, n]
     probs = None if draft.probs is None else draft.probs[:, :n]
     keys = jax.vmap(jax.random.key)(sampling.seed)
-    path, out_tokens, num = verify_tree(keys, out.logits, tokens, parents, valid, probs, sampling,
+    path, out_tokens, num = verify_tree(keys, logits, tokens, parents, valid, probs, sampling,
                                         positions=cache.lengths + 1, max_depth=min(max_depth, n))
     cache = cache.replace(k=tuple(gather_path(b, cache.lengths, path) for b in cache.k),
                           v=tuple(gather_path(b, cache.lengths, path) for b in cache.v))
     features = gather_nodes(out.hidden, path) if want_features else None
     # Output token j was drawn from the logits of path node j (the root first).
-    scored = _logprobs_of(state, lambda: gather_nodes(out.logits, path), out_tokens, sampling, k)
+    scored = _logprobs_of(state, lambda: (gather_nodes(out.logits, path), gather_nodes(logits, path)), out_tokens,
+                          sampling, k)
     return _verified(out_tokens, num, cache, features, scored, k)
 
 
@@ -394,6 +414,7 @@ def commit(state: DecodeState, verified: Verified, limits: RowLimits) -> tuple[D
         from_draft=state.from_draft.at[rows, slots].set(j < accepted[:, None], mode="drop"),
         done=state.done | (active & finished),
         steps=state.steps + 1,
+        counts=None if state.counts is None else state.counts.add(verified.tokens, keep),
         logprobs=None if verified.logprobs is None else lp.write(state.logprobs, slots, verified.logprobs))
     return new, keep, accepted
 

@@ -69,15 +69,17 @@ class Scored:
 
 
 def score(logits: jax.Array, tokens: jax.Array, num_top: int, sampling: SamplingParams | None = None,
-          processed: jax.Array | None = None) -> Scored:
+          processed: jax.Array | None = None, adjusted: jax.Array | None = None) -> Scored:
     """Log-probabilities of `tokens` i32[B, W] (-1: none) under `logits` f32[B, W, V], and the top `num_top`;
-    rows marked in `processed` (bool[B], with their `sampling` arrays [B]) score under the processed logits."""
+    rows marked in `processed` (bool[B], with their `sampling` arrays [B]) score under the processed logits:
+    `adjusted` f32[B, W, V] (the logits after penalties; default `logits`) through the sampling settings."""
     logits = logits.astype(jnp.float32)
     if processed is not None:
+        adjusted = logits if adjusted is None else adjusted.astype(jnp.float32)
         # The processing (a vocabulary sort for top-k/top-p) runs only when some row asks for it.
         logits = jax.lax.cond(jnp.any(processed),
-                              lambda z: jnp.where(processed[:, None, None], process_logits(z, sampling), z),
-                              lambda z: z, logits)
+                              lambda z, a: jnp.where(processed[:, None, None], process_logits(a, sampling), z),
+                              lambda z, a: z, logits, adjusted)
     norm = jax.nn.logsumexp(logits, axis=-1)  # f32[B, W]
     chosen = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0] - norm
     if num_top:

@@ -141,7 +141,8 @@ def test_sampling_params_still_accept_tracers_and_stacked_arrays():
     doubled = jax.jit(lambda s: s.replace(seed=s.seed * 2).broadcast(2))(SamplingParams(seed=jnp.uint32(3)))
     assert rows.temperature.shape == (3, 2) and doubled.seed.tolist() == [6, 6]
     # A placeholder leaf (what pytree machinery may unflatten) constructs, but never becomes rows.
-    opaque = jax.tree.unflatten(jax.tree.structure(SamplingParams()), [object()] * 5)
+    structure = jax.tree.structure(SamplingParams())
+    opaque = jax.tree.unflatten(structure, [object()] * structure.num_leaves)
     with pytest.raises(ValueError, match="temperature="):
         opaque.broadcast(2)
     with pytest.raises(ValueError, match="params\\[1\\]=3"):

@@ -275,7 +275,24 @@ def test_stop_strings_and_n(client, offline, humaneval_prompts):
     assert r.usage.completion_tokens == 16
 
 
+def test_penalties_equal_offline(client, offline, humaneval_prompts):
+    """presence/frequency penalties (OpenAI's fields) and repetition_penalty (extra_body) reach every verified
+    position: the served greedy text equals offline plain decoding with the same penalties, and differs from
+    the unpenalised text."""
+    prompt = humaneval_prompts[1]
+    settings = SamplingParams(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3)
+    ids, text, _ = offline(prompt, 48, settings)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0,
+                                  presence_penalty=0.8, frequency_penalty=0.6,
+                                  extra_body={"repetition_penalty": 1.3})
+    assert r.choices[0].text == text
+    assert text != offline(prompt, 48)[1]
+
+
 BAD_INPUTS = [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"temperature": -0.5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),

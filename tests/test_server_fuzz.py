@@ -279,7 +279,7 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "n", "stream", "stream_options", "presence_penalty", "frequency_penalty",
-                 "speculative", "user"}
+                 "repetition_penalty", "speculative", "user"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
@@ -297,8 +297,9 @@ COMMON_VALID = {
     "n": st.integers(1, 2),
     "stream": st.booleans(),
     "stream_options": st.one_of(st.none(), st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
-    "presence_penalty": st.sampled_from([0, 0.0, -0.0]),
-    "frequency_penalty": st.sampled_from([0, 0.0]),
+    "presence_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([0, -0.0, -2, 2, 1e-45])),
+    "frequency_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([0, -2, 2])),
+    "repetition_penalty": st.one_of(st.floats(0.5, 2), st.sampled_from([1, 5e-324, 1e30])),
     "speculative": st.one_of(st.none(), st.just("off"), st.fixed_dictionaries({}, optional={
         "method": st.one_of(st.none(), st.sampled_from(["none", "ngram", "sam"])),
         "num_speculative_tokens": st.one_of(st.none(), st.integers(0, K))})),
@@ -397,9 +398,10 @@ SPOILERS_COMMON = [
     ("ignore_eos", NOT_A_BOOL, None),
     ("stream", NOT_A_BOOL, None),
     ("stream_options", st.one_of(st.just("yes"), st.just([]), st.just({"include_usage": "yes"})), None),
-    ("presence_penalty", st.one_of(st.floats(allow_nan=False, allow_infinity=False).filter(bool), NOT_A_NUMBER),
-     None),
-    ("frequency_penalty", st.sampled_from([0.5, -2, 1e300, "0"]), None),
+    ("presence_penalty", st.one_of(st.floats(allow_nan=False, allow_infinity=False).filter(lambda v: abs(v) > 2),
+                                   NOT_A_NUMBER), None),
+    ("frequency_penalty", st.sampled_from([2.5, -2.001, 1e300, "0"]), None),
+    ("repetition_penalty", st.one_of(st.sampled_from([0, -1, -1e-300, "1"]), NOT_A_NUMBER), None),
     ("speculative", st.one_of(st.integers(), st.just("on"), st.just([]),
                               st.just({"method": "bogus"}), st.just({"method": 3})), None),
     ("speculative", st.sampled_from([{"method": "eagle"}, {"method": "medusa"}, {"method": "eagle2"}]),

@@ -157,8 +157,9 @@ class Runner:
         rows = None if top is None else jnp.asarray(np.broadcast_to(wants_logprobs, (prompts.shape[0],)))
         args = (self.lm.graphdef, self.lm.params, prompts, prompt_lens, sampling, limits,
                 MixedParams(caps, self._member_params), rows)
+        # Every row counts its tokens too (one state shape), so any request may ask for penalties.
         kwargs = dict(proposer=self.proposer, cache_len=self.config.cache_len,
-                      buffer_len=self.config.cache_len - width, num_top_logprobs=top or 0)
+                      buffer_len=self.config.cache_len - width, num_top_logprobs=top or 0, track_counts=True)
         return args, kwargs
 
     def empty_state(self, n: int) -> DecodeState:

@@ -35,6 +35,7 @@ from ..engine import slots
 from ..generation import default_attention_impl
 from ..methods import build_proposer
 from ..models.loading import LanguageModel
+from ..penalties import any_penalty
 from ..proposers.group_sam import GroupSamProposer
 from ..shapes import bucket_shapes
 from .inputs import RolloutInputs, check_memory, validate
@@ -175,7 +176,8 @@ class _Rollout:
         processed = jnp.full((inputs.num_rows,), inputs.logprobs_mode == "sampling") if inputs.logprobs else None
         state = prefill(lm.graphdef, inputs.params, jnp.asarray(prompts), jnp.asarray(prompt_lens), sampling, limits,
                         self.proposer_params, logprob_rows, processed, proposer=self.proposer,
-                        cache_len=self.cache_len, buffer_len=self.buffer_len, group_size=group_size)
+                        cache_len=self.cache_len, buffer_len=self.buffer_len, group_size=group_size,
+                        track_counts=bool(np.any(np.asarray(any_penalty(sampling)))))
         done = np.asarray(jax.device_get(state.done))
         prefill_s = time.perf_counter() - t0
         # What each sample had counted at the last readback (row-steps, accepted drafts per position), so a

@@ -51,8 +51,9 @@ class _Generation(_Body):
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's range
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension (extra_body)
     speculative: SpeculativeOptions | Literal["off"] | None = None
     user: str | None = None
 
@@ -62,13 +63,6 @@ class _Generation(_Body):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("at most 4 non-empty stop strings")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v != 0:
-            raise ValueError("penalties are not supported (they change the target distribution); send 0")
         return v
 
     @property

@@ -77,7 +77,10 @@ class Translator:
         requests = []
         for i in range(body.n):
             sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
-                                      min_p=body.min_p, seed=(seed + i) % (1 << 32))
+                                      min_p=body.min_p, seed=(seed + i) % (1 << 32),
+                                      presence_penalty=body.presence_penalty,
+                                      frequency_penalty=body.frequency_penalty,
+                                      repetition_penalty=body.repetition_penalty)
             requests.append(Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                                     method=method, num_speculative_tokens=k, logprobs=body.top_logprobs_wanted))
