@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cost
+from . import cost, predicted
 from .config import SamplingParams, SpecConfig, _short_repr, is_integer
 from .decode import RowLimits, decode, mean_acceptance_length, prefill, propose_once
 from .limits import check_prompt, eos_ids, is_token_list, stop_ids, stop_table
 from .logprobs import TokenLogprob, to_host
 from .methods import build_proposer
 from .models.loading import LanguageModel
+from .penalties import any_penalty
 from .proposers.base import Draft, Proposer
 from .shapes import bucket_shapes
 
@@ -37,6 +38,10 @@ class RowStats:
     generated: int  # new tokens, the first (from prefill) included
     committed_per_step: tuple[int, ...]  # tokens committed at each of the row's steps, in order
     decode_s: float = 0.0  # seconds of the decode loop (the whole batch's)
+    # with generate's prediction=: prediction tokens drafted and accepted, and drafted and rejected (OpenAI's
+    # usage fields); None without a prediction
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -282,10 +287,11 @@ class _Request:
     max_new_tokens: int
     logprobs: int | None
     attention_impl: str
+    predictions: predicted.Predictions | None = None
 
 
 def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, sampling, stop_token_ids, ignore_eos,
-             max_cache_len, attention_impl, spec, logprobs, rng) -> _Request:
+             max_cache_len, attention_impl, spec, logprobs, rng, prediction=None) -> _Request:
     """Every argument checked (ValueError naming the first bad one) and normalised."""
     spec = SpecConfig() if spec is None else spec
     if not isinstance(spec, SpecConfig):
@@ -309,7 +315,8 @@ def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, samp
     stop_table = _stop_ids(lm, len(ids), stop_token_ids, ignore_eos)
     rows = _seeded(_row_sampling(sampling, len(ids)), rng)
     return _Request(ids=ids, sampling=rows, stop_table=stop_table, spec=spec, max_new_tokens=max_new_tokens,
-                    logprobs=logprobs, attention_impl=attention_impl)
+                    logprobs=logprobs, attention_impl=attention_impl,
+                    predictions=predicted.normalise(lm, prediction, len(ids), lm.config.vocab_size))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -320,7 +327,8 @@ class Prepared:
 
         state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
                         p.proposer_params, p.logprob_rows, proposer=p.proposer, cache_len=p.cache_len,
-                        buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs)
+                        buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs,
+                        track_counts=p.track_counts)
         state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params,
                        proposer=p.proposer, widths=p.widths, attention_impl=p.attention_impl,
                        verify_cost=p.verify_cost)
@@ -341,6 +349,9 @@ class Prepared:
     verify_cost: jax.Array | None = None  # f32[len(widths)] measured c(w) (SpecConfig.cost_aware), or None
     logprob_rows: jax.Array | None = None  # bool[B] rows that record log-probabilities, or None
     num_top_logprobs: int = 0  # most likely tokens recorded per position (with logprob_rows)
+    track_counts: bool = False  # some row has a penalty: the state counts tokens (`jaxspec.penalties`)
+    # generate's prediction=: install them after prefill (`predicted.install`); the proposer drafts from them
+    predictions: predicted.Predictions | None = None
 
     @property
     def batch_size(self) -> int:
@@ -410,7 +421,10 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     """The device inputs for a validated request with max_new_tokens >= 1."""
     batch = len(req.ids)
     prompt_lens = [len(p) for p in req.ids]
-    width, buffer_len, cache_len = bucket_shapes(prompt_lens, req.max_new_tokens, req.spec.num_speculative_tokens)
+    k = req.spec.num_speculative_tokens
+    if req.predictions is not None:
+        k = max(k, req.spec.prediction_tokens)
+    width, buffer_len, cache_len = bucket_shapes(prompt_lens, req.max_new_tokens, k)
     padded = np.zeros((batch, width), np.int32)  # i32[B, P]
     for i, p in enumerate(req.ids):
         padded[i, : len(p)] = p
@@ -418,20 +432,25 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
                        stop_ids=jnp.asarray(req.stop_table))
     proposer, proposer_params = build_proposer(lm, req.spec, prompt_width=width, buffer_len=buffer_len,
                                                cache_len=cache_len)
+    widths = req.spec.verify_widths
+    if req.predictions is not None:
+        proposer = predicted.wrap(proposer, req.spec, req.predictions)
+        widths = predicted.widths(req.spec, proposer.num_speculative_tokens)
     verify_cost = None
-    if req.spec.cost_aware and len(req.spec.verify_widths) > 1 and cost.enabled():
+    if req.spec.cost_aware and len(widths) > 1 and cost.enabled():
         # Costs at a cache about half filled with output, the middle of the run.
-        costs = cost.measure_verify_cost(lm, batch=batch, cache_len=cache_len, widths=req.spec.verify_widths,
+        costs = cost.measure_verify_cost(lm, batch=batch, cache_len=cache_len, widths=widths,
                                          cached=max(prompt_lens) + req.max_new_tokens // 2,
                                          attention_impl=req.attention_impl)
         verify_cost = jnp.asarray(costs, jnp.float32)
     prepared = Prepared(
         prompts=jnp.asarray(padded), prompt_lens=jnp.asarray(prompt_lens, jnp.int32), sampling=req.sampling,
         limits=limits, proposer=proposer, proposer_params=proposer_params, cache_len=cache_len,
-        buffer_len=buffer_len, widths=req.spec.verify_widths, max_new_tokens=req.max_new_tokens,
+        buffer_len=buffer_len, widths=widths, max_new_tokens=req.max_new_tokens,
         attention_impl=req.attention_impl, verify_cost=verify_cost,
         logprob_rows=None if req.logprobs is None else jnp.ones((batch,), bool),
-        num_top_logprobs=req.logprobs or 0)
+        num_top_logprobs=req.logprobs or 0,
+        track_counts=bool(np.any(np.asarray(any_penalty(req.sampling)))), predictions=req.predictions)
     if req.spec.method == "custom":
         check_draft_shapes(lm, prepared)
     return prepared
@@ -492,6 +511,7 @@ def generate(
     logprobs: int | None = None,
     prompt_lengths=None,
     rng=None,
+    prediction=None,
 ) -> GenerateResult:
     """Generate for a batch of prompts (strings, token-id lists or 1-D integer arrays, of different lengths;
     or one integer array i32[B, P] whose row i holds `prompt_lengths[i]` tokens, all P by default).
@@ -508,6 +528,12 @@ def generate(
     loop. Greedy output is the same with or without speculation; sampled output follows the same distribution.
     `logprobs=L` also returns each generated token's log-probability under the target (its raw distribution,
     before the sampling settings shape it) and the L most likely tokens at each position; None records nothing.
+    `prediction` (predicted outputs, a speculative edit): a text or token ids the output is expected to mostly
+    repeat, one for every row or one per row (None: none), such as the file an edit request rewrites. The row
+    drafts up to `spec.prediction_tokens` tokens a step from it after a cursor that follows the output and
+    re-synchronises after an edit (`jaxspec.proposers.prediction`); elsewhere it drafts with `spec`'s method
+    (none, ngram, sam). Output is the same with or without a prediction; each row's stats report
+    accepted_prediction_tokens and rejected_prediction_tokens.
 
     Returns a GenerateResult: per row the new tokens as lists (`token_ids`) and as one array
     (`token_array` i32[B, max_new_tokens], -1 padded, with `num_tokens` i32[B]), text, finish reasons, stats.
@@ -515,7 +541,7 @@ def generate(
     """
     req = _request(lm, prompts, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling,
                    stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_cache_len=max_cache_len,
-                   attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng)
+                   attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng, prediction=prediction)
     if req.max_new_tokens == 0:
         return _empty_result(req)
     p = _prepare(lm, req)
@@ -523,19 +549,22 @@ def generate(
     t0 = time.perf_counter()
     state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
                     p.logprob_rows, proposer=p.proposer, cache_len=p.cache_len, buffer_len=p.buffer_len,
-                    num_top_logprobs=p.num_top_logprobs)
+                    num_top_logprobs=p.num_top_logprobs, track_counts=p.track_counts)
+    if p.predictions is not None:
+        state = predicted.install(state, p.predictions)
     jax.block_until_ready(state.history)
     t1 = time.perf_counter()
     state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, proposer=p.proposer,
                    widths=p.widths, attention_impl=p.attention_impl, verify_cost=p.verify_cost)
-    history, history_len, steps, counters, buffer = jax.device_get(
-        (state.history, state.history_len, state.steps, state.counters, state.logprobs))
+    history, history_len, steps, counters, buffer, pstate = jax.device_get(
+        (state.history, state.history_len, state.steps, state.counters, state.logprobs, state.pstate))
     t2 = time.perf_counter()
-    return _result(lm, req, history, history_len, steps, counters, buffer, prefill_s=t1 - t0, decode_s=t2 - t1)
+    return _result(lm, req, history, history_len, steps, counters, buffer, prefill_s=t1 - t0, decode_s=t2 - t1,
+                   prediction_counts=predicted.counts(pstate) if req.predictions is not None else None)
 
 
 def _result(lm: LanguageModel, req: _Request, history, history_len, steps, counters, buffer, *, prefill_s: float,
-            decode_s: float) -> GenerateResult:
+            decode_s: float, prediction_counts: tuple[np.ndarray, np.ndarray] | None = None) -> GenerateResult:
     """The host-side result from the decoded state's arrays (already on the host)."""
     prompt_lens = np.asarray([len(p) for p in req.ids], np.int32)
     token_array, num_tokens = _new_tokens(history, history_len, prompt_lens, req.max_new_tokens)
@@ -548,9 +577,12 @@ def _result(lm: LanguageModel, req: _Request, history, history_len, steps, count
         body = row[:-1] if stopped else row
         texts.append(lm.tokenizer.decode(body, skip_special_tokens=True) if lm.tokenizer else "")
         n = int(counters.steps[i])
+        with_prediction = prediction_counts is not None and req.predictions.ids[i] is not None
         row_stats.append(RowStats(steps=n, drafted=int(counters.drafted[i]), accepted=int(counters.accepted[i]),
                                   generated=len(row), committed_per_step=tuple(counters.committed[i, :n].tolist()),
-                                  decode_s=decode_s))
+                                  decode_s=decode_s,
+                                  accepted_prediction_tokens=int(prediction_counts[0][i]) if with_prediction else None,
+                                  rejected_prediction_tokens=int(prediction_counts[1][i]) if with_prediction else None))
     stats = GenerateStats(
         prompt_tokens=int(prompt_lens.sum()), generated_tokens=sum(len(r) for r in token_ids), steps=int(steps),
         prefill_s=prefill_s, decode_s=decode_s, num_rows=len(req.ids), drafted=int(counters.drafted.sum()),

@@ -5,6 +5,7 @@ from .draft_model import DraftModelProposer, self_draft_model
 from .eagle import EagleProposer, EagleState
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
+from .prediction import PredictionProposer, PredictionState, with_prediction
 from .sam import SamProposer
 from .suffix_automaton import StaticSuffixAutomaton, SuffixAutomaton
 
@@ -17,9 +18,12 @@ __all__ = [
     "EagleState",
     "MedusaProposer",
     "NgramProposer",
+    "PredictionProposer",
+    "PredictionState",
     "Proposer",
     "SamProposer",
     "StaticSuffixAutomaton",
     "SuffixAutomaton",
     "self_draft_model",
+    "with_prediction",
 ]
