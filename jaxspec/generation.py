@@ -25,7 +25,7 @@ from .methods import build_proposer
 from .models.loading import LanguageModel
 from .penalties import any_penalty
 from .proposers.base import Draft, Proposer
-from .shapes import bucket_shapes
+from .shapes import bucket_shapes, widths_for_long_drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +435,7 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     widths = req.spec.verify_widths
     if req.predictions is not None:
         proposer = predicted.wrap(proposer, req.spec, req.predictions)
-        widths = predicted.widths(req.spec, proposer.num_speculative_tokens)
+        widths = widths_for_long_drafts(widths, proposer.num_speculative_tokens)
     verify_cost = None
     if req.spec.cost_aware and len(widths) > 1 and cost.enabled():
         # Costs at a cache about half filled with output, the middle of the run.

@@ -21,9 +21,6 @@ from .proposers.prediction import PredictionProposer, PredictionState, pad_predi
 from .shapes import next_pow2
 
 MIN_PREDICTION_WIDTH = 64  # prediction buffers are a power of two wide, at least this: few compiled shapes
-# Verify widths offered besides the method's own: a step verifies at the narrowest width holding its longest
-# draft, so a short prediction run does not pay for the widest forward.
-PREDICTION_WIDTHS = (9, 17, 33, 65)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +84,6 @@ def wrap(proposer: Proposer, spec: SpecConfig, predictions: Predictions) -> Pred
                          f"method={spec.method!r} drafts from the target's features or a tree")
     k = max(spec.prediction_tokens, spec.num_speculative_tokens)
     return PredictionProposer(k, predictions.width, inner=inner)
-
-
-def widths(spec: SpecConfig, k: int) -> tuple[int, ...]:
-    """The method's verify widths plus `PREDICTION_WIDTHS` up to K + 1, and K + 1."""
-    return tuple(sorted(set(spec.verify_widths) | {w for w in PREDICTION_WIDTHS if w <= k + 1} | {k + 1}))
 
 
 def install(state, predictions: Predictions):

@@ -37,3 +37,13 @@ def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int, k: int) -> tu
     width = next_pow2(max(prompt_lens))
     buffer_len = next_pow2(max_new_tokens)
     return width, buffer_len, round_up(max(width, max(prompt_lens) + buffer_len + k + 1), CACHE_ALIGN)
+
+
+# Verify widths offered beside a method's own when drafts may run long (predicted outputs, forced tokens): a
+# step verifies at the narrowest width holding its longest draft, so a short run does not pay for the widest.
+LONG_DRAFT_WIDTHS = (9, 17, 33, 65)
+
+
+def widths_for_long_drafts(widths: Sequence[int], k: int) -> tuple[int, ...]:
+    """`widths` plus LONG_DRAFT_WIDTHS up to K + 1, and K + 1."""
+    return tuple(sorted(set(widths) | {w for w in LONG_DRAFT_WIDTHS if w <= k + 1} | {k + 1}))

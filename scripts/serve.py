@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued beyond the free slots; more get HTTP 429; 0 serves only what the slots "
                         "hold (default: %(default)s)")
+    p.add_argument("--max-prediction-len", type=int, default=None,
+                   help="longest predicted output (`prediction`, in tokens) a request may carry; 0 serves none "
+                        "(default: 1024, or the cache length when shorter; 0 when a trained head is served)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most likely tokens a request may ask for per position (completions `logprobs`, chat "
                         "`top_logprobs`); -1 turns log-probabilities off (default: %(default)s)")
@@ -73,6 +76,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds to finish in-flight requests after SIGINT/SIGTERM (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
+
+
+def default_prediction_len(methods: str, cache_len: int) -> int:
+    """1024 tokens (at most the cache), or 0 when a method that is served alone (a trained head) is compiled in:
+    predictions draft beside the lookup methods only."""
+    from jaxspec.engine import SHARED_BATCH_METHODS
+
+    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    return min(1024, cache_len) if all(m in SHARED_BATCH_METHODS for m in chosen) else 0
 
 
 def main(argv=None) -> int:
@@ -98,7 +110,9 @@ def main(argv=None) -> int:
         config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len, spec=spec,
                               methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
                               chunk_steps=args.chunk_steps, max_waiting=args.max_waiting, slot_buckets=buckets,
-                              max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs)
+                              max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
+                              max_prediction_len=(default_prediction_len(methods, args.cache_len)
+                                                  if args.max_prediction_len is None else args.max_prediction_len))
         policy = make_policy(args.policy, max_active=args.spec_max_active)
         lm = jaxspec.load_model(args.model)
         engine = Engine(lm, config, policy=policy)

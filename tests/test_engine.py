@@ -693,3 +693,35 @@ def test_shutdown_with_drain_finishes_in_flight_requests(tiny_lm, fresh_engine):
         assert c.final.finish_reason == "length" and c.tokens == offline(tiny_lm, PROMPTS[i])[:10]
     with pytest.raises(EngineStopped):
         engine.submit(Request(PROMPTS[0], 4), Collector())
+
+
+# ---------------------------------------------------------------------- predicted outputs
+
+
+def test_predicted_outputs_in_a_mixed_batch_equal_offline(tiny_lm, fresh_engine):
+    """Rows with a prediction (exact, edited, unrelated) beside rows without one, mixed methods and a sampled
+    row: every output equals offline decoding, and the prediction counts reach the final stats."""
+    config = dataclasses.replace(CONFIG, cache_len=192, max_prediction_len=64)
+    engine = fresh_engine(config).start(warmup=False)
+    assert engine.runner.loop_k == 32 and 33 in config.verify_widths
+    reference = [offline(tiny_lm, p) for p in PROMPTS[:5]]
+    edited = list(reference[1])
+    edited[12] = (edited[12] + 1) % 97
+    sampled = SamplingParams(temperature=0.8, seed=21)
+    requests = [Request(PROMPTS[0], N, prediction_ids=list(reference[0]), method="none"),
+                Request(PROMPTS[1], N, prediction_ids=edited, method="sam"),
+                Request(PROMPTS[2], N, prediction_ids=list(reference[4]), method="ngram"),  # unrelated
+                Request(PROMPTS[3], N, method="sam"),
+                Request(PROMPTS[4], N, sampling=sampled, prediction_ids=offline(tiny_lm, PROMPTS[4], sampled))]
+    results = run_all(engine, requests)
+    for req, c in zip(requests, results):
+        assert c.tokens == offline(tiny_lm, req.prompt_ids, req.sampling)
+    stats = [c.final.stats for c in results]
+    assert stats[0].accepted_prediction_tokens == N - 1 - stats[0].steps and stats[0].rejected_prediction_tokens == 0
+    assert stats[1].accepted_prediction_tokens > 0 and stats[1].rejected_prediction_tokens > 0
+    assert stats[3].accepted_prediction_tokens is None
+    assert stats[4].accepted_prediction_tokens > N // 2
+    with pytest.raises(InvalidRequest, match="at most 64"):
+        engine.submit(Request(PROMPTS[0], 4, prediction_ids=[1] * 65), Collector())
+    with pytest.raises(InvalidRequest, match="max_prediction_len=0"):
+        fresh_engine().submit(Request(PROMPTS[0], 4, prediction_ids=[1, 2]), Collector())

@@ -289,7 +289,33 @@ def test_penalties_equal_offline(client, offline, humaneval_prompts):
     assert text != offline(prompt, 48)[1]
 
 
+def test_predicted_outputs(client, offline, smollm2):
+    """OpenAI's `prediction` (chat) through the official client: the text equals offline greedy decoding, and
+    usage reports the prediction's accepted and rejected tokens; an edited prediction still gives the same text.
+    Completions take it in extra_body."""
+    messages = [{"role": "user", "content": "Write a Python function that returns the squares of a list."}]
+    prompt = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids, text, _ = offline(prompt, 64)
+    edited = text.replace("def ", "def  ", 1) if "def " in text else "x" + text
+    for prediction in (text, edited):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                           prediction={"type": "content", "content": prediction})
+        assert r.choices[0].message.content == text
+        details = r.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= len(ids) // 2
+        if prediction == text:
+            assert details.rejected_prediction_tokens == 0
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=64, temperature=0,
+                                  extra_body={"prediction": {"type": "content", "content": [{"type": "text",
+                                                                                              "text": text}]}})
+    assert r.choices[0].text == text and r.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert plain.usage.completion_tokens_details is None  # no prediction, no details
+
+
 BAD_INPUTS = [
+    ({"prediction": {"type": "file", "content": "x"}}, "prediction.type"),
+    ({"prediction": {"type": "content", "content": "x " * 2000}}, "prediction"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),

@@ -9,7 +9,7 @@ import jax
 
 from ..config import SpecConfig
 from ..methods import METHODS, names
-from ..shapes import BUCKET_MIN
+from ..shapes import BUCKET_MIN, widths_for_long_drafts
 
 # Methods whose rows may share one batch with any other such method (`jaxspec.methods.Method.shares_batch`).
 SHARED_BATCH_METHODS = tuple(m for m in names(served=True) if METHODS[m].shares_batch)  # none, ngram, sam
@@ -33,6 +33,10 @@ class EngineConfig:
     # bucket adds tokens, so batching made the mean time to first token worse (0.74 s -> 1.74 s for a burst
     # of 8 requests, scripts/bench_engine.py --prefill-batches 1,8, docs/BENCHMARKS.md).
     max_prefill_batch: int | None = None
+    # Predicted outputs: the longest prediction (in tokens) a request may carry; 0 serves none. With it, every
+    # row drafts up to spec.prediction_tokens tokens a step from its prediction (`jaxspec.predicted`), and the
+    # loop compiles the wider verify widths that takes.
+    max_prediction_len: int = 0
 
     def __post_init__(self):
         if self.max_slots < 1:
@@ -56,7 +60,13 @@ class EngineConfig:
             raise ValueError(f"methods={self.methods!r}: {alone[0]!r} is served alone (with 'none' beside it)")
         if self.spec.method not in self.methods:
             raise ValueError(f"spec.method={self.spec.method!r} must be one of methods={self.methods!r}")
-        k = self.num_speculative_tokens
+        if isinstance(self.max_prediction_len, bool) or not isinstance(self.max_prediction_len, int) \
+                or not 0 <= self.max_prediction_len <= self.cache_len:
+            raise ValueError(f"max_prediction_len={self.max_prediction_len!r} must be an integer in [0, cache_len]")
+        if self.max_prediction_len and alone:
+            raise ValueError(f"max_prediction_len={self.max_prediction_len!r}: predictions draft beside the lookup "
+                             f"methods {SHARED_BATCH_METHODS}, not beside {alone[0]!r}; use 0")
+        k = self.loop_k
         if self.cache_len < k + 2 + BUCKET_MIN:
             raise ValueError(f"cache_len={self.cache_len!r} is too small for K={k}")
         if self.slot_buckets is None:
@@ -75,6 +85,13 @@ class EngineConfig:
         return self.spec.num_speculative_tokens or 8
 
     @property
+    def loop_k(self) -> int:
+        """The decode loop's draft budget: K, or the prediction budget when predictions are served and it is
+        larger (a row's drafts from its prediction may run longer than its method's)."""
+        k = self.num_speculative_tokens
+        return max(k, self.spec.prediction_tokens) if self.max_prediction_len else k
+
+    @property
     def prefill_batch_sizes(self) -> tuple[int, ...]:
         """The compiled prefill batch sizes: powers of two below m = min(max_prefill_batch, max_slots), and m.
         n requests admitted together are prefilled at the smallest size >= n, padded with dummy rows."""
@@ -84,7 +101,7 @@ class EngineConfig:
     @property
     def max_context(self) -> int:
         """Prompt + generated tokens a row may hold: verification writes K + 1 slots past the newest token."""
-        return self.cache_len - self.num_speculative_tokens - 1
+        return self.cache_len - self.loop_k - 1
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -92,4 +109,7 @@ class EngineConfig:
         every step, so width 1 is always there; the widest holds a full draft)."""
         k = self.num_speculative_tokens
         widths = self.spec.verify_widths if self.spec.method != "none" else (1, k + 1)
-        return tuple(sorted({1, *widths, k + 1}))
+        widths = tuple(sorted({1, *widths, k + 1}))
+        if self.max_prediction_len:
+            widths = widths_for_long_drafts(widths, self.loop_k)
+        return widths

@@ -43,6 +43,8 @@ class Request:
     method: str | None = None  # None: the engine's default method
     num_speculative_tokens: int | None = None  # None: the engine's K
     logprobs: int | None = None  # also return each token's log-probability and this many most likely tokens
+    # predicted outputs: token ids the output is expected to mostly repeat (at most config.max_prediction_len)
+    prediction_ids: list[int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,9 @@ class RequestStats:
     queued_s: float  # from submission to admission
     prefill_s: float  # seconds of the request's prefill
     committed: int = 0  # tokens the decode steps committed (its first token, from prefill, not counted)
+    # with a prediction: its tokens drafted and accepted, drafted and rejected (OpenAI's usage fields)
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -102,6 +107,7 @@ class LiveRequest:
     prefill_s: float = 0.0  # seconds of its prefill
     emitted: int = 0  # generated tokens handed to the callback
     counters: tuple[int, int, int] = (0, 0, 0)  # its row's steps, drafted, accepted at the last read
+    prediction: tuple[int, int] | None = None  # its accepted and rejected prediction tokens at the last read
 
     @property
     def queued_s(self) -> float:
@@ -111,8 +117,26 @@ class LiveRequest:
     def stats(self) -> RequestStats:
         """The request's counts and timings so far."""
         steps, drafted, accepted = self.counters
+        predicted = (None, None) if self.request.prediction_ids is None else (self.prediction or (0, 0))
         return RequestStats(steps=steps, drafted=drafted, accepted=accepted, queued_s=self.queued_s,
-                            prefill_s=self.prefill_s, committed=max(self.emitted - 1, 0))
+                            prefill_s=self.prefill_s, committed=max(self.emitted - 1, 0),
+                            accepted_prediction_tokens=predicted[0], rejected_prediction_tokens=predicted[1])
+
+
+def check_prediction(ids, config: EngineConfig, vocab_size: int) -> None:
+    """Raise InvalidRequest("prediction_ids", ...) unless the engine serves predictions this long."""
+    if ids is None:
+        return
+    if not config.max_prediction_len:
+        raise InvalidRequest("prediction_ids", "predictions are not served (the engine was built with "
+                             "max_prediction_len=0)")
+    try:
+        ids = check_prompt(ids, vocab_size)
+    except ValueError as e:
+        raise InvalidRequest("prediction_ids", str(e).replace("prompt", "prediction")) from None
+    if len(ids) > config.max_prediction_len:
+        raise InvalidRequest("prediction_ids", f"the prediction has {len(ids)} tokens; at most "
+                             f"{config.max_prediction_len} are served")
 
 
 def check_method(method: str, config: EngineConfig) -> None:
@@ -159,6 +183,7 @@ def validate(request: Request, config: EngineConfig, *, vocab_size: int, eos_ids
             raise InvalidRequest("logprobs", "logprobs are not served (the engine was built with max_logprobs=None)")
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= most:
             raise InvalidRequest("logprobs", f"logprobs={top!r} must be an integer in [0, {most}]")
+    check_prediction(request.prediction_ids, config, vocab_size)
     k, most = request.num_speculative_tokens, config.num_speculative_tokens
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= most):
         raise InvalidRequest("num_speculative_tokens",

@@ -27,6 +27,7 @@ from ..logprobs import TokenLogprob, to_host, window
 from ..methods import build_proposer
 from ..models.loading import LanguageModel
 from ..proposers.mixed import MixedParams, MixedProposer, MixedState
+from ..proposers.prediction import PredictionProposer, PredictionState, pad_predictions, with_prediction
 from ..shapes import BUCKET_MIN, prompt_bucket
 from . import slots
 from .config import EngineConfig
@@ -46,6 +47,7 @@ class RowUpdate:
     counters: tuple[int, int, int] = (0, 0, 0)  # the row's steps, drafted, accepted since its admission
     drafted_at: np.ndarray | None = None  # i32[K] the row's drafts at each position since its admission
     accepted_at: np.ndarray | None = None  # i32[K] of those, the accepted ones
+    prediction: tuple[int, int] | None = None  # accepted and rejected prediction tokens since its admission
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,10 @@ class Runner:
             members.append(proposer)
             member_params.append(params)
         self.proposer = MixedProposer(tuple(members), self.k)  # every row picks one member (or drafts nothing)
+        self.loop_k = config.loop_k  # the loop's draft budget: K, or the prediction budget when larger
+        if config.max_prediction_len:
+            # Rows with a prediction draft from it first; the member proposers draft for every other row.
+            self.proposer = PredictionProposer(self.loop_k, config.max_prediction_len, inner=self.proposer)
         self._member_params = tuple(member_params)
         # The batch: B rows, B one of config.slot_buckets. The loop thread donates it to every program, so read
         # it from elsewhere only while the engine idles.
@@ -134,7 +140,7 @@ class Runner:
     def logprob_window(self) -> int:
         """History slots read back per row after a chunk: a chunk commits at most chunk_steps * (K + 1) tokens
         a row, so one fixed-size window (one compiled program per slot bucket) always holds them."""
-        return min(self.config.chunk_steps * (self.k + 1), self.config.cache_len)
+        return min(self.config.chunk_steps * (self.loop_k + 1), self.config.cache_len)
 
     # ------------------------------------------------------------------ the batch
 
@@ -145,7 +151,7 @@ class Runner:
         args, kwargs = self._prefill_args(prompts, prompt_lens, sampling, limits, wants_logprobs)
         state = prefill(*args, **kwargs)
         # Per-request counters only: the engine reads totals, not each step's commit count.
-        return state.replace(counters=SpecCounters.zeros(prompts.shape[0], self.k, 1))
+        return state.replace(counters=SpecCounters.zeros(prompts.shape[0], self.loop_k, 1))
 
     def _prefill_args(self, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams, limits: RowLimits,
                       wants_logprobs: bool | np.ndarray) -> tuple[tuple, dict]:
@@ -214,8 +220,15 @@ class Runner:
             choice[i] = self._drafting.index(method) if method in self._drafting else 0
             if method != "none":
                 budget[i] = self.k if r.num_speculative_tokens is None else r.num_speculative_tokens
-        pstate: MixedState = rows.pstate
-        return rows.replace(pstate=pstate.replace(choice=jnp.asarray(choice), max_draft=jnp.asarray(budget)))
+        predicting = isinstance(rows.pstate, PredictionState)
+        mixed: MixedState = rows.pstate.inner if predicting else rows.pstate
+        pstate = mixed.replace(choice=jnp.asarray(choice), max_draft=jnp.asarray(budget))
+        if predicting:
+            ids = [r.prediction_ids for r in requests] + [None] * (len(choice) - len(requests))  # dummy rows: none
+            tokens, lengths = pad_predictions(ids, self.config.max_prediction_len)
+            pstate = with_prediction(rows.pstate.replace(inner=pstate), tokens, lengths, rows.history,
+                                     rows.history_len, rows.prompt_len)
+        return rows.replace(pstate=pstate)
 
     def _prefill_inputs(self, requests: Sequence[Request], stop_ids: Sequence[Sequence[int]]) -> tuple:
         """`prefill`'s arguments for `requests` padded with dummy rows to a compiled prefill batch size."""
@@ -286,7 +299,10 @@ class Runner:
         the last read (`LiveRequest.emitted`), and add it to the metrics."""
         t0 = time.perf_counter()
         state = self._decode(rows, caps)
+        predicting = isinstance(state.pstate, PredictionState)
         host = jax.device_get({"history": state.history, "from_draft": state.from_draft,
+                               **({"pred_accepted": state.pstate.accepted, "pred_rejected": state.pstate.rejected}
+                                  if predicting else {}),
                                "history_len": state.history_len, "done": state.done,
                                "prompt_len": state.prompt_len, "steps": state.steps,
                                "row_steps": state.counters.steps, "drafted": state.counters.drafted,
@@ -307,7 +323,8 @@ class Runner:
                 tokens=new, from_draft=host["from_draft"][i, start: start + len(new)].tolist(),
                 done=bool(host["done"][i]), logprobs=logprobs.get(i),
                 counters=(int(host["row_steps"][i]), int(host["drafted"][i]), int(host["accepted"][i])),
-                drafted_at=host["drafted_at"][i], accepted_at=host["accepted_at"][i])
+                drafted_at=host["drafted_at"][i], accepted_at=host["accepted_at"][i],
+                prediction=(int(host["pred_accepted"][i]), int(host["pred_rejected"][i])) if predicting else None)
         chunk = ChunkResult(rows=updates, steps=steps, seconds=seconds)
         self.metrics.record_chunk(rows, chunk)
         return chunk

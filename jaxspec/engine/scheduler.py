@@ -52,7 +52,7 @@ class Engine:
         self.config = config  # the static settings
         self.policy = policy if policy is not None else AdaptivePolicy()  # draft caps by load
         self.observers = list(observers)  # called from the loop thread: ("chunk" | "admit" | "finish", info)
-        k = config.num_speculative_tokens
+        k = config.loop_k
         # Running totals, read by the server's /metrics.
         self.metrics = EngineMetrics(drafted_per_position=np.zeros(k, np.int64),
                                      accepted_per_position=np.zeros(k, np.int64))
@@ -329,6 +329,7 @@ class Engine:
         for i, update in chunk.rows.items():
             live = self._slots[i]
             live.counters = update.counters
+            live.prediction = update.prediction
             if update.done:
                 self._slots[i] = None
             self._emit(live, update)

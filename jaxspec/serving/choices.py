@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from fastapi import Request as HTTPRequest
 
-from ..engine import Engine, EngineStopped, Handle, Output, QueueFull, Request
+from ..engine import Engine, EngineStopped, Handle, Output, QueueFull, Request, RequestStats
 from .errors import refused
 from .logprobs import Entry
 from .text import TextStream
@@ -34,6 +34,7 @@ class Choice:
         self._queue: asyncio.Queue[Output] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self.handle: Handle | None = None  # set once submitted
+        self.stats: RequestStats | None = None  # the engine's counts, from its final event
 
     def callback(self, out: Output) -> None:
         """The engine's callback (called on the engine thread): queue the output for the event loop."""
@@ -58,6 +59,7 @@ class Choice:
                 self.finish_reason = self.finish_reason or {"cancelled": "abort"}.get(out.finish_reason,
                                                                                        out.finish_reason)
                 self.error = out.error
+                self.stats = out.stats
                 delta += self.text.finish()
                 if delta:
                     yield delta

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # The HTTP field behind each engine `Request` field an InvalidRequest names ("prompt_ids" and "logprobs" differ by
 # endpoint; "sampling.<name>" is the body's <name>).
 ENGINE_PARAMS = {"max_tokens": "max_tokens", "num_speculative_tokens": "speculative.num_speculative_tokens",
-                 "method": "speculative.method", "stop_token_ids": "stop_token_ids"}
+                 "method": "speculative.method", "stop_token_ids": "stop_token_ids", "prediction_ids": "prediction"}
 
 
 def invalid_request(error: InvalidRequest, *, prompt_param: str, logprobs_param: str) -> RequestError:

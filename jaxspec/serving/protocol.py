@@ -37,6 +37,23 @@ class StreamOptions(_Body):
     include_usage: bool = False  # end the stream with a chunk holding the token counts
 
 
+class TextPart(_Body):
+    """One text part of a chat message's content list (the only part type served)."""
+
+    type: Literal["text"]  # always "text"
+    text: str  # the part's text
+
+
+class Prediction(_Body):
+    """The `prediction` request field (OpenAI's Predicted Outputs): text the output is expected to mostly repeat."""
+
+    type: Literal["content"]  # always "content"
+    content: Union[str, list[TextPart]]  # the predicted text, or text parts joined
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class _Generation(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -55,6 +72,7 @@ class _Generation(_Body):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension (extra_body)
     speculative: SpeculativeOptions | Literal["off"] | None = None
+    prediction: Prediction | None = None
     user: str | None = None
 
     @field_validator("stop")
@@ -89,13 +107,6 @@ class CompletionRequest(_Generation):
         if v:
             raise ValueError("echo is not supported by this server")
         return v
-
-
-class TextPart(_Body):
-    """One text part of a chat message's content list (the only part type served)."""
-
-    type: Literal["text"]  # always "text"
-    text: str  # the part's text
 
 
 class ChatMessage(_Body):

@@ -25,8 +25,13 @@ from .metrics import ServerMetrics
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
     """OpenAI's `usage`: prompt tokens, tokens the choices consumed (up to a stop string), their sum."""
     completion = sum(c.text.num_tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    predicted = [c.stats for c in choices if c.stats is not None and c.stats.accepted_prediction_tokens is not None]
+    if predicted:  # a request with a prediction: OpenAI reports what became of its tokens
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in predicted),
+            "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in predicted)}
+    return out
 
 
 def sse(obj: dict) -> str:

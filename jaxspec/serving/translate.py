@@ -74,6 +74,9 @@ class Translator:
         max_tokens = default_max if body.max_tokens is None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(self.engine.max_context - len(prompt_ids), 1)
+        prediction = None
+        if body.prediction is not None:
+            prediction = self._encode(body.prediction.text(), "prediction") or None
         requests = []
         for i in range(body.n):
             sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
@@ -83,7 +86,8 @@ class Translator:
                                       repetition_penalty=body.repetition_penalty)
             requests.append(Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                                    method=method, num_speculative_tokens=k, logprobs=body.top_logprobs_wanted))
+                                    method=method, num_speculative_tokens=k, logprobs=body.top_logprobs_wanted,
+                                    prediction_ids=prediction))
         try:
             self.engine.validate(requests[0])  # the choices differ only in their seeds
         except InvalidRequest as e:
