@@ -9,6 +9,7 @@ of completions per prompt for RL (`jaxspec.rollouts`).
 
 from .cache import KVCache
 from .config import SamplingParams, SpecConfig
+from .constraints import Choice, JsonSchema, Regex
 from .decode import DecodeState, RowLimits, decode, decode_chunk, prefill, spec_step
 from .generation import GenerateResult, GenerateStats, Prepared, RowStats, generate, prepare
 from .logprobs import TokenLogprob
@@ -21,14 +22,17 @@ from .target import TargetModel, check_target
 from .tree import TreeTopology, verify_tree
 
 __all__ = [
+    "Choice",
     "DEFAULT_MODEL",
     "DecodeState",
     "GenerateResult",
     "GenerateStats",
+    "JsonSchema",
     "KVCache",
     "LanguageModel",
     "NAMED_MODELS",
     "Prepared",
+    "Regex",
     "RolloutResult",
     "RolloutStats",
     "RowLimits",

@@ -297,6 +297,9 @@ class SpecConfig:
     # Predicted outputs (generate's `prediction=`): the most drafts per step taken from a row's prediction.
     # Long runs are cheap to verify next to what they save, so this is well above the methods' K.
     prediction_tokens: int = 32
+    # Constraints (generate's `constraint=`): the most tokens a step drafts where the constraint leaves one legal
+    # token (JSON punctuation and keys), beside methods none, ngram and sam; 0 drafts none.
+    forced_tokens: int = 16
     draft_model: Any = dataclasses.field(default=None, compare=False, repr=False)  # a LanguageModel
     static_sam: Any = dataclasses.field(default=None, compare=False, repr=False)  # a StaticSuffixAutomaton
     # method "custom": any object following the jaxspec.proposers.base.Proposer protocol (frozen, hashable; its
@@ -333,6 +336,9 @@ class SpecConfig:
         pk = self.prediction_tokens
         if isinstance(pk, bool) or not isinstance(pk, numbers.Integral) or not 1 <= pk <= 256:
             raise ValueError(f"prediction_tokens={pk!r} must be an integer in [1, 256]")
+        fk = self.forced_tokens
+        if isinstance(fk, bool) or not isinstance(fk, numbers.Integral) or not 0 <= fk <= 256:
+            raise ValueError(f"forced_tokens={fk!r} must be an integer in [0, 256]")
         if not self.draft_per_match > 0:
             raise ValueError(f"draft_per_match={self.draft_per_match!r} must be > 0 (math.inf: no cap)")
         if self.ngram_max < self.min_match:

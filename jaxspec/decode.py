@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import cost
+from . import constrained, cost
 from . import logprobs as lp
 from .cache import KVCache
 from .config import SamplingParams
@@ -116,6 +116,8 @@ class DecodeState:
     logprobs: lp.LogprobBuffer | None = None  # beside `history`, when a row asked for log-probabilities
     # each row's token counts, when the batch tracks them for penalties (`prefill(track_counts=True)`)
     counts: TokenCounts | None = None
+    # each row's constraint state and the batch's automata, when some row decodes under a constraint
+    constraint: constrained.ConstraintRows | None = None
 
     @property
     def num_generated(self) -> jax.Array:
@@ -157,14 +159,15 @@ def _context(state: DecodeState, sampling: SamplingParams, limits: RowLimits, k:
     cap = k if limits.draft_cap is None else jnp.clip(limits.draft_cap, 0, k)
     max_draft = jnp.where(state.done, 0, jnp.clip(room, 0, cap))
     return Context(history=state.history, history_len=state.history_len, max_draft=max_draft, sampling=sampling,
-                   positions=state.cache.lengths, active=~state.done)
+                   positions=state.cache.lengths, active=~state.done, constraint=state.constraint)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len", "num_top_logprobs",
                                              "group_size", "track_counts"))
 def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams,
             limits: RowLimits, proposer_params=None, logprob_rows: jax.Array | None = None,
-            logprobs_processed: jax.Array | None = None, *, proposer: Proposer = NoProposer(), cache_len: int,
+            logprobs_processed: jax.Array | None = None, constraint: constrained.ConstraintRows | None = None, *,
+            proposer: Proposer = NoProposer(), cache_len: int,
             buffer_len: int, num_top_logprobs: int = 0, group_size: int = 1,
             track_counts: bool = False) -> DecodeState:
     """Run the prompts (right-padded i32[P, W], true lengths i32[P]), sample each row's first token and
@@ -178,6 +181,9 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     generate, and the `num_top_logprobs` most likely tokens at each position (`jaxspec.logprobs`): under the
     target's raw distribution, or, for rows marked in `logprobs_processed` (bool[B]), under the distribution the
     row samples from (after penalties, temperature, top-k, top-p, min-p).
+
+    With `constraint` (one state per row, `jaxspec.constrained`) each row decodes under its constraint: the
+    first token is drawn from the masked distribution and every later position is masked the same way.
 
     With `track_counts` the state counts each row's prompt and output tokens, and every row's presence,
     frequency and repetition penalties (`sampling`) apply at every position (`jaxspec.penalties`); without it
@@ -201,10 +207,14 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     cache = cache.advance(prompt_lens)
     counts = TokenCounts.of_prompts(prompts, prompt_lens, logits.shape[-1]) if track_counts else None
     # The first token's position has seen the prompt and no output.
-    adjusted = penalize_scored(logits, counts, jnp.zeros((batch, 1), jnp.int32), None, sampling)  # f32[B, 1, V]
+    no_drafts = jnp.zeros((batch, 1), jnp.int32)
+    adjusted = penalize_scored(logits, counts, no_drafts, None, sampling)  # f32[B, 1, V]
+    adjusted = constrained.constrain_scored(adjusted, constraint, no_drafts, None, limits.stop_ids)
     first = sample(row_keys(sampling.seed, cache.lengths), adjusted[:, 0], sampling)
+    one = jnp.ones((batch,), jnp.int32)
     if counts is not None:
-        counts = counts.add(first[:, None], jnp.ones((batch,), jnp.int32))
+        counts = counts.add(first[:, None], one)
+    constraint = constrained.commit(constraint, first[:, None], one)
     history = jnp.zeros((batch, width + buffer_len), jnp.int32).at[:, :width].set(prompts)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
     done = _is_stop(first, limits) | (limits.max_new_tokens <= 1)
@@ -218,7 +228,7 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     state = DecodeState(cache=cache, history=history, history_len=prompt_lens + 1, prompt_len=prompt_lens,
                         from_draft=jnp.zeros(history.shape, bool), done=done, steps=jnp.zeros((), jnp.int32), pstate=(),
                         counters=SpecCounters.zeros(batch, proposer.num_speculative_tokens, buffer_len),
-                        logprobs=logprobs, counts=counts)
+                        logprobs=logprobs, counts=counts, constraint=constraint)
     k = proposer.num_speculative_tokens
     ctx = _context(state, sampling, limits, k)
     if proposer.needs_features:
@@ -265,7 +275,8 @@ def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, sampling: Sam
 
 
 def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft: jax.Array,
-                 sampling: SamplingParams, k: int, attention_impl: str, want_features: bool) -> Verified:
+                 sampling: SamplingParams, limits: RowLimits, k: int, attention_impl: str,
+                 want_features: bool) -> Verified:
     """One target forward over each row's newest token plus its first `width - 1` drafts, then rejection
     sampling along the chain."""
     cache = state.cache
@@ -273,6 +284,7 @@ def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft:
     positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
     out, cache = model(fed, positions, cache, attention_impl=attention_impl)
     logits = penalize_scored(out.logits, state.counts, fed, None, sampling)  # f32[B, width, V]
+    logits = constrained.constrain_scored(logits, state.constraint, fed, None, limits.stop_ids)
     probs = None if draft.probs is None else draft.probs[:, : width - 1]
     keys = jax.vmap(jax.random.key)(sampling.seed)
     # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
@@ -283,8 +295,8 @@ def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft:
 
 
 def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: jax.Array, node_depth: jax.Array,
-                num_nodes: jax.Array, max_draft: jax.Array, sampling: SamplingParams, k: int, max_depth: int,
-                attention_impl: str, want_features: bool) -> Verified:
+                num_nodes: jax.Array, max_draft: jax.Array, sampling: SamplingParams, limits: RowLimits, k: int,
+                max_depth: int, attention_impl: str, want_features: bool) -> Verified:
     """The tree version: one forward over the root and the first `width - 1` draft nodes under their ancestor
     mask, verification along the tree, and the accepted path's K/V moved to contiguous slots. A node whose
     token was out of the vocabulary (`in_vocab` bool[B, K] False), or under such a node, is never accepted.
@@ -300,6 +312,7 @@ def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: j
     mask = tree_ancestor_mask(parents)  # bool[B, width, width]
     out, cache = model(fed, cache.lengths[:, None] + depth, cache, tree_mask=mask, attention_impl=attention_impl)
     logits = penalize_scored(out.logits, state.counts, fed, mask, sampling)  # f32[B, width, V]
+    logits = constrained.constrain_scored(logits, state.constraint, fed, parents, limits.stop_ids)
     # Nodes past the row's node count, deeper than it may still emit, or on a path through an out-of-vocabulary
     # token are never accepted.
     valid = ((jnp.arange(n) < num_nodes[:, None]) & (depth[:, 1:] <= max_draft[:, None])
@@ -355,17 +368,22 @@ def _draft_depth(num_draft: jax.Array, node_depth: jax.Array | None, max_draft: 
 
 def verify(model, proposer: Proposer, state: DecodeState, draft: Draft, num_draft: jax.Array, in_vocab: jax.Array,
            node_depth: jax.Array | None, max_draft: jax.Array, sampling: SamplingParams, widths: tuple[int, ...],
-           choice: jax.Array, attention_impl: str) -> Verified:
+           choice: jax.Array, attention_impl: str, limits: RowLimits | None = None) -> Verified:
     """Score each row's newest token and its first num_draft i32[B] drafts with one target forward at
-    `widths[choice]` (a `lax.switch` over the compiled widths) and verify them losslessly."""
+    `widths[choice]` (a `lax.switch` over the compiled widths) and verify them losslessly. `limits` gives the
+    stop ids a constrained row may end with (needed when the state has constraints)."""
     k = proposer.num_speculative_tokens
+    if limits is None:
+        if state.constraint is not None:
+            raise ValueError("verify needs limits= when the state decodes under constraints")
+        limits = RowLimits(max_new_tokens=jnp.ones_like(num_draft), stop_ids=jnp.full((num_draft.shape[0], 1), -1))
 
     def branch(width):
         n = jnp.minimum(num_draft, width - 1)
         if node_depth is not None:
-            return lambda: _score_tree(model, width, state, draft, in_vocab, node_depth, n, max_draft, sampling, k,
-                                       proposer.max_depth, attention_impl, proposer.needs_features)
-        return lambda: _score_chain(model, width, state, draft, n, sampling, k, attention_impl,
+            return lambda: _score_tree(model, width, state, draft, in_vocab, node_depth, n, max_draft, sampling,
+                                       limits, k, proposer.max_depth, attention_impl, proposer.needs_features)
+        return lambda: _score_chain(model, width, state, draft, n, sampling, limits, k, attention_impl,
                                     proposer.needs_features)
 
     if len(widths) == 1:
@@ -415,6 +433,7 @@ def commit(state: DecodeState, verified: Verified, limits: RowLimits) -> tuple[D
         done=state.done | (active & finished),
         steps=state.steps + 1,
         counts=None if state.counts is None else state.counts.add(verified.tokens, keep),
+        constraint=constrained.commit(state.constraint, verified.tokens, keep),
         logprobs=None if verified.logprobs is None else lp.write(state.logprobs, slots, verified.logprobs))
     return new, keep, accepted
 
@@ -450,7 +469,7 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     num_draft = jnp.minimum(num_draft, jnp.asarray(widths, jnp.int32)[choice] - 1)  # drafts past it wait
 
     verified = verify(model, proposer, state, draft, num_draft, in_vocab, node_depth, ctx.max_draft, sampling,
-                      widths, choice, attention_impl)
+                      widths, choice, attention_impl, limits)
     new, keep, accepted = commit(state, verified, limits)
     counters = state.counters.record(~state.done, num_draft, _draft_depth(num_draft, node_depth, ctx.max_draft, k),
                                      accepted, keep)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cost, predicted
+from . import constrained, cost, predicted
 from .config import SamplingParams, SpecConfig, _short_repr, is_integer
 from .decode import RowLimits, decode, mean_acceptance_length, prefill, propose_once
 from .limits import check_prompt, eos_ids, is_token_list, stop_ids, stop_table
@@ -288,10 +288,11 @@ class _Request:
     logprobs: int | None
     attention_impl: str
     predictions: predicted.Predictions | None = None
+    constraint: constrained.ConstraintRows | None = None
 
 
 def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, sampling, stop_token_ids, ignore_eos,
-             max_cache_len, attention_impl, spec, logprobs, rng, prediction=None) -> _Request:
+             max_cache_len, attention_impl, spec, logprobs, rng, prediction=None, constraint=None) -> _Request:
     """Every argument checked (ValueError naming the first bad one) and normalised."""
     spec = SpecConfig() if spec is None else spec
     if not isinstance(spec, SpecConfig):
@@ -316,7 +317,8 @@ def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, samp
     rows = _seeded(_row_sampling(sampling, len(ids)), rng)
     return _Request(ids=ids, sampling=rows, stop_table=stop_table, spec=spec, max_new_tokens=max_new_tokens,
                     logprobs=logprobs, attention_impl=attention_impl,
-                    predictions=predicted.normalise(lm, prediction, len(ids), lm.config.vocab_size))
+                    predictions=predicted.normalise(lm, prediction, len(ids), lm.config.vocab_size),
+                    constraint=constrained.rows_for(lm, constraint, len(ids)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -352,6 +354,8 @@ class Prepared:
     track_counts: bool = False  # some row has a penalty: the state counts tokens (`jaxspec.penalties`)
     # generate's prediction=: install them after prefill (`predicted.install`); the proposer drafts from them
     predictions: predicted.Predictions | None = None
+    # generate's constraint=: each row's automaton state and the batch's automata, for `prefill(constraint=)`
+    constraint: constrained.ConstraintRows | None = None
 
     @property
     def batch_size(self) -> int:
@@ -424,6 +428,8 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     k = req.spec.num_speculative_tokens
     if req.predictions is not None:
         k = max(k, req.spec.prediction_tokens)
+    if req.constraint is not None:
+        k = max(k, req.spec.forced_tokens)
     width, buffer_len, cache_len = bucket_shapes(prompt_lens, req.max_new_tokens, k)
     padded = np.zeros((batch, width), np.int32)  # i32[B, P]
     for i, p in enumerate(req.ids):
@@ -435,6 +441,9 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     widths = req.spec.verify_widths
     if req.predictions is not None:
         proposer = predicted.wrap(proposer, req.spec, req.predictions)
+    if req.constraint is not None:
+        proposer = constrained.wrap(proposer, req.spec, req.spec.forced_tokens)
+    if proposer.num_speculative_tokens > req.spec.num_speculative_tokens:
         widths = widths_for_long_drafts(widths, proposer.num_speculative_tokens)
     verify_cost = None
     if req.spec.cost_aware and len(widths) > 1 and cost.enabled():
@@ -450,7 +459,8 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
         attention_impl=req.attention_impl, verify_cost=verify_cost,
         logprob_rows=None if req.logprobs is None else jnp.ones((batch,), bool),
         num_top_logprobs=req.logprobs or 0,
-        track_counts=bool(np.any(np.asarray(any_penalty(req.sampling)))), predictions=req.predictions)
+        track_counts=bool(np.any(np.asarray(any_penalty(req.sampling)))), predictions=req.predictions,
+        constraint=req.constraint)
     if req.spec.method == "custom":
         check_draft_shapes(lm, prepared)
     return prepared
@@ -470,6 +480,8 @@ def prepare(
     rng=None,
     logprobs: int | None = None,
     attention_impl: str | None = None,
+    prediction=None,
+    constraint=None,
 ) -> Prepared:
     """Everything `jaxspec.prefill` and `jaxspec.decode` need, from the plain inputs `generate` takes.
 
@@ -483,7 +495,8 @@ def prepare(
         raise ValueError("max_new_tokens=0 must be >= 1 for prepare: prefill always samples one token")
     req = _request(lm, prompts, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling,
                    stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_cache_len=max_cache_len,
-                   attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng)
+                   attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng, prediction=prediction,
+                   constraint=constraint)
     return _prepare(lm, req)
 
 
@@ -512,6 +525,7 @@ def generate(
     prompt_lengths=None,
     rng=None,
     prediction=None,
+    constraint=None,
 ) -> GenerateResult:
     """Generate for a batch of prompts (strings, token-id lists or 1-D integer arrays, of different lengths;
     or one integer array i32[B, P] whose row i holds `prompt_lengths[i]` tokens, all P by default).
@@ -534,6 +548,11 @@ def generate(
     re-synchronises after an edit (`jaxspec.proposers.prediction`); elsewhere it drafts with `spec`'s method
     (none, ngram, sam). Output is the same with or without a prediction; each row's stats report
     accepted_prediction_tokens and rejected_prediction_tokens.
+    `constraint` (structured output): a `jaxspec.Regex`, `JsonSchema` or `Choice` for every row, or one (or None)
+    per row. The row's output is drawn from the masked distribution at every position, speculative or not, and
+    ends (at a stop id) only where the constraint is complete; tokens the constraint forces are drafted for free
+    (up to `spec.forced_tokens` a step, beside methods none, ngram and sam). Constraints compile once per spec
+    and tokenizer (`jaxspec.constraints`).
 
     Returns a GenerateResult: per row the new tokens as lists (`token_ids`) and as one array
     (`token_array` i32[B, max_new_tokens], -1 padded, with `num_tokens` i32[B]), text, finish reasons, stats.
@@ -541,15 +560,16 @@ def generate(
     """
     req = _request(lm, prompts, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling,
                    stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_cache_len=max_cache_len,
-                   attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng, prediction=prediction)
+                   attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng, prediction=prediction,
+                   constraint=constraint)
     if req.max_new_tokens == 0:
         return _empty_result(req)
     p = _prepare(lm, req)
 
     t0 = time.perf_counter()
     state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
-                    p.logprob_rows, proposer=p.proposer, cache_len=p.cache_len, buffer_len=p.buffer_len,
-                    num_top_logprobs=p.num_top_logprobs, track_counts=p.track_counts)
+                    p.logprob_rows, constraint=p.constraint, proposer=p.proposer, cache_len=p.cache_len,
+                    buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs, track_counts=p.track_counts)
     if p.predictions is not None:
         state = predicted.install(state, p.predictions)
     jax.block_until_ready(state.history)

@@ -63,6 +63,9 @@ class Context:
     # [B, P, D] the target's final hidden state at every prompt position, given to `init` of proposers with
     # `needs_features` (EAGLE, Medusa); None elsewhere.
     features: jax.Array | None = None
+    # each row's constraint state and the batch's automata (`jaxspec.constrained.ConstraintRows`) when rows
+    # decode under constraints: a proposer may draft the tokens a constraint forces
+    constraint: Any = None
 
 
 @flax.struct.dataclass
