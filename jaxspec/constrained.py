@@ -8,9 +8,11 @@ and is never accepted, and the token the target draws at each position comes fro
 exactly as plain constrained decoding draws it. After commit the state advances by exactly the committed
 tokens. The row's stop ids are legal where the constraint is complete (a final state), and only there.
 
-Where the constraint leaves exactly one legal token (JSON punctuation, a key), drafting it costs nothing and
-verification accepts it whenever the drafts before it were accepted: `ForcedTokenProposer` overrides the row's
-own proposer with such tokens and extends its chain through them.
+Where the constraint leaves exactly one legal token, drafting it costs nothing and verification accepts it
+whenever the drafts before it were accepted; where it leaves one legal text of several bytes (a JSON key, the
+`": ` after it), the first token of that text as the tokenizer writes it is a near-certain draft
+(`jaxspec.constraints.jump`). `ForcedTokenProposer` overrides the row's own proposer with forced tokens and
+extends its chain through both.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .constraints import (
     compile_constraint,
     forced_token,
     is_final,
+    jump_token,
     stack,
     states_along,
 )
@@ -134,6 +137,9 @@ class ForcedTokenProposer(ChainProposer):
         def step(carry, j):
             state, going = carry  # i32[B], bool[B]: the chain still runs
             forced = forced_token(aut, state)  # i32[B], -1: a choice
+            # Past the inner proposer's drafts, the first token of a forced text (a JSON key) as the tokenizer
+            # writes it (jump-forward): the target writes it the same way more often than not.
+            forced = jnp.where((forced < 0) & (j >= num), jump_token(aut, state), forced)
             token = jnp.where(forced >= 0, forced, tokens[:, j])
             drafted = going & ((forced >= 0) | (j < num))
             after = advance(aut, state, token)

@@ -43,7 +43,8 @@ def parity_automaton(vocab: int = VOCAB) -> TokenAutomaton:
             nxt.append(1 - state)
     return TokenAutomaton(allowed=jnp.asarray(packed.reshape(2, words).astype(np.uint32)),
                           keys=jnp.asarray(keys, jnp.int32), next=jnp.asarray(nxt, jnp.int32),
-                          final=jnp.zeros((2,), bool), forced=jnp.full((2,), -1, jnp.int32), vocab_size=vocab)
+                          final=jnp.zeros((2,), bool), forced=jnp.full((2,), -1, jnp.int32),
+                          jump=jnp.full((2,), -1, jnp.int32), vocab_size=vocab)
 
 
 def _parity_ok(tokens) -> bool:

@@ -150,10 +150,12 @@ def test_specs_are_canonical_hashable_and_give_their_regex():
     a = JsonSchema(SCHEMA)
     b = JsonSchema(json.dumps(SCHEMA, indent=2))
     assert a == b and hash(a) == hash(b) and isinstance(a.schema, str) and " " not in a.schema
-    assert JsonSchema(SCHEMA, whitespace="") != a
+    assert JsonSchema(SCHEMA, whitespace="") == a  # minified JSON is the default
+    spaced = JsonSchema(SCHEMA, whitespace=r"[ ]?")
+    assert spaced != a
     assert Regex("a+").regex() == "a+"
     assert Choice(["a.b", "c"]).regex() == r"(a\.b|c)" and Choice(("x",)) == Choice(["x"])
-    assert '"name"' in a.regex() and "[ ]?" in a.regex() and "[ ]?" not in JsonSchema(SCHEMA, whitespace="").regex()
+    assert '"name"' in a.regex() and "[ ]?" in spaced.regex() and "[ ]?" not in a.regex()
 
 
 @pytest.mark.parametrize("make, named", [
@@ -262,6 +264,15 @@ def test_forced_tokens_of_a_one_key_schema(tok, vocab):
     end = after('{"name":"hi"}')
     assert int(forced_j(aut, _s(end))) == tok.eos_token_id and bool(final_j(aut, _s(end)))
     assert not bool(final_j(aut, _s(after('{"name":"hi"'))))
+
+    # Forced *text*: after `{"` the key is not one forced token, but `name":"` is the only text that may follow,
+    # and its first token as the tokenizer writes it is drafted (jump-forward).
+    def jump(text: str) -> str | None:
+        j = int(jaxspec.constraints.jump_token(aut, _s(after(text))))
+        return None if j < 0 else tok.decode([j])
+
+    assert jump('{"') == tok.decode(tok.encode('name":"')[:1])
+    assert jump('{"name":"hi') is None  # inside a free string nothing is forced
 
 
 # ------------------------------------------------------------------------------------------- device semantics

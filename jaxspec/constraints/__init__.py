@@ -27,15 +27,17 @@ from .automaton import (
     allowed_mask,
     forced_token,
     is_final,
+    jump_token,
     mask_logits,
     states_along,
 )
 from .compile import clear_cache, compile_constraint
-from .spec import COMPACT_WHITESPACE, Choice, Constraint, JsonSchema, Regex
+from .spec import COMPACT_WHITESPACE, SPACED_WHITESPACE, Choice, Constraint, JsonSchema, Regex
 from .stack import stack
 
 __all__ = [
     "COMPACT_WHITESPACE",
+    "SPACED_WHITESPACE",
     "DEAD",
     "FREE",
     "INITIAL",
@@ -51,6 +53,7 @@ __all__ = [
     "compile_constraint",
     "forced_token",
     "is_final",
+    "jump_token",
     "mask_logits",
     "stack",
     "states_along",

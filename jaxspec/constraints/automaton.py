@@ -12,6 +12,8 @@ Layout (`TokenAutomaton`; S states, E legal (state, token) pairs, W = ceil(V / 3
   next    i32[E]     the state after keys[e]'s token
   final   bool[S]    the text so far matches completely: EOS is legal (and keeps the state)
   forced  i32[S]     the only legal token, or -1 (precomputed on the host)
+  jump    i32[S]     where the constraint forces a text of several bytes (a JSON key, `", "`) though not one
+                     token: the first token of that text as the tokenizer writes it, or -1 (`jaxspec.constraints.jump`)
 A dense [S, V] next-state table would be S * V * 4 bytes (a 160-state JSON schema: 31 MB at V = 49152); the
 pairs are E * 8 (a JSON string state allows ~48k tokens, so a schema with a few strings has E ~ 10**5: ~1 MB).
 int32 keys need S * V < 2**31 (S < 43690 at V = 49152): `check_key_range`. `stack` pads keys with 2**31 - 1
@@ -53,6 +55,7 @@ class TokenAutomaton:
     next: jax.Array  # i32[E]
     final: jax.Array  # bool[S]
     forced: jax.Array  # i32[S]
+    jump: jax.Array  # i32[S]
     vocab_size: int = flax.struct.field(pytree_node=False)
 
     @property
@@ -65,7 +68,7 @@ class TokenAutomaton:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self.allowed, self.keys, self.next, self.final, self.forced))
+        return sum(int(a.nbytes) for a in (self.allowed, self.keys, self.next, self.final, self.forced, self.jump))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -77,6 +80,7 @@ class HostAutomaton:
     next: np.ndarray  # i32[E]
     final: np.ndarray  # bool[S]
     forced: np.ndarray  # i32[S]
+    jump: np.ndarray  # i32[S]
     vocab_size: int
 
     @property
@@ -89,7 +93,7 @@ class HostAutomaton:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.allowed, self.keys, self.next, self.final, self.forced))
+        return sum(a.nbytes for a in (self.allowed, self.keys, self.next, self.final, self.forced, self.jump))
 
 
 _twins: dict[int, HostAutomaton] = {}  # id(device automaton) -> its host arrays, while it lives
@@ -99,7 +103,8 @@ def to_device(host: HostAutomaton) -> TokenAutomaton:
     """The device copy of `host` (one transfer per array), remembered as its twin."""
     put = jax.device_put
     aut = TokenAutomaton(allowed=put(host.allowed), keys=put(host.keys), next=put(host.next),
-                         final=put(host.final), forced=put(host.forced), vocab_size=host.vocab_size)
+                         final=put(host.final), forced=put(host.forced), jump=put(host.jump),
+                         vocab_size=host.vocab_size)
     _twins[id(aut)] = host
     weakref.finalize(aut, _twins.pop, id(aut), None)
     return aut
@@ -109,8 +114,8 @@ def host_twin(aut: TokenAutomaton) -> HostAutomaton:
     """The numpy arrays of `aut`: its twin if `to_device` made it, else copied from the device."""
     twin = _twins.get(id(aut))
     if twin is None:
-        twin = HostAutomaton(*(np.asarray(a) for a in (aut.allowed, aut.keys, aut.next, aut.final, aut.forced)),
-                             vocab_size=aut.vocab_size)
+        twin = HostAutomaton(*(np.asarray(a) for a in (aut.allowed, aut.keys, aut.next, aut.final, aut.forced,
+                                                       aut.jump)), vocab_size=aut.vocab_size)
     return twin
 
 
@@ -188,6 +193,12 @@ def forced_token(aut: TokenAutomaton, state: jax.Array) -> jax.Array:
     """i32[...] the only token legal in each state i32[...], or -1 (several legal, or FREE/DEAD)."""
     real, row = _row(aut, state)
     return jnp.where(real, aut.forced[row], -1)
+
+
+def jump_token(aut: TokenAutomaton, state: jax.Array) -> jax.Array:
+    """i32[...] the first token of the text each state i32[...] forces, as the tokenizer writes it, or -1."""
+    real, row = _row(aut, state)
+    return jnp.where(real, aut.jump[row], -1)
 
 
 def is_final(aut: TokenAutomaton, state: jax.Array) -> jax.Array:

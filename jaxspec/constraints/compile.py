@@ -22,12 +22,13 @@ import functools
 import hashlib
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import outlines_core
 
 from .automaton import HostAutomaton, TokenAutomaton, check_key_range, to_device
+from .jump import jump_tokens
 from .spec import Choice, JsonSchema, Regex
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class HostVocabulary:
     vocabulary: outlines_core.Vocabulary
     eos_token_ids: tuple[int, ...]  # eos_token_ids[0] is the one outlines-core knows
     num_tokens: int  # ids the tokenizer produces: [0, num_tokens)
+    token_bytes: tuple = ()  # token_bytes[t]: token t's bytes (None for special tokens and EOS)
+    encode: Any = None  # the tokenizer's text -> ids, for forced texts (`jump`)
 
 
 _lock = threading.Lock()
@@ -72,6 +75,7 @@ def _build_vocabulary(tokenizer: Tokenizer) -> HostVocabulary:
     special = {int(i) for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
     num_tokens = int(tokenizer.vocab_size)
     tokens: dict[bytes, list[int]] = {}
+    token_bytes: list[bytes | None] = [None] * num_tokens
     digest = hashlib.sha256(repr(eos).encode())
     for i in range(num_tokens):
         if i in special or i in eos:
@@ -85,8 +89,9 @@ def _build_vocabulary(tokenizer: Tokenizer) -> HostVocabulary:
         digest.update(len(data).to_bytes(4, "little") + data)
         if data:
             tokens.setdefault(data, []).append(i)
+            token_bytes[i] = data
     vocabulary = outlines_core.Vocabulary(eos[0], tokens)
-    return HostVocabulary(digest.hexdigest(), vocabulary, eos, num_tokens)
+    return HostVocabulary(digest.hexdigest(), vocabulary, eos, num_tokens, tuple(token_bytes), tokenizer.encode)
 
 
 def compile_constraint(spec: Regex | JsonSchema | Choice, tokenizer: Tokenizer, vocab_size: int) -> TokenAutomaton:
@@ -121,7 +126,11 @@ def compile_host(spec: Regex | JsonSchema | Choice, vocab: HostVocabulary, vocab
         index = outlines_core.Index(regex, vocab.vocabulary)
     except (ValueError, TypeError) as e:
         raise ValueError(f"cannot compile {spec!r} (regex {regex!r}) over this vocabulary: {e}") from None
-    return index_arrays(index, vocab.eos_token_ids, vocab_size)
+    host = index_arrays(index, vocab.eos_token_ids, vocab_size)
+    if vocab.encode is None:
+        return host
+    jump = jump_tokens(host.keys, host.next, host.final, vocab_size, vocab.token_bytes, vocab.encode)
+    return dataclasses.replace(host, jump=jump)
 
 
 def index_arrays(index: outlines_core.Index, eos_token_ids: tuple[int, ...], vocab_size: int) -> HostAutomaton:
@@ -180,7 +189,7 @@ def index_arrays(index: outlines_core.Index, eos_token_ids: tuple[int, ...], voc
                        minlength=num_states * words)  # distinct bits per word: the sum is the OR (< 2**32, exact)
     allowed = bits.astype(np.uint32).reshape(num_states, words)
     return HostAutomaton(allowed=allowed, keys=keys.astype(np.int32), next=dst.astype(np.int32), final=final,
-                         forced=forced, vocab_size=vocab_size)
+                         forced=forced, jump=np.full(num_states, -1, np.int32), vocab_size=vocab_size)
 
 
 __all__ = ["HostVocabulary", "clear_cache", "compile_constraint", "compile_host", "host_vocabulary", "index_arrays"]

@@ -17,11 +17,13 @@ from typing import Any
 import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
-# Whitespace a JSON schema's regex allows between tokens: at most one space. outlines' "any whitespace" pattern
-# (`[\n\t ]*`) lets a small model emit spaces and newlines forever inside an object and never close it; one
-# optional space keeps the model's habitual `{"a": 1}` spacing legal while bounding it. Pass "" for the most
-# compact output (fewer states, every separator forced).
-COMPACT_WHITESPACE = r"[ ]?"
+# Whitespace a JSON schema's regex allows between tokens. outlines' "any whitespace" pattern (`[\n\t ]*`) lets a
+# small model emit spaces and newlines forever inside an object and never close it. None at all (minified JSON,
+# the default) forces every key and separator, so they are drafted for free (`jaxspec.constraints.jump`): on the
+# default model a 4-field object took 10 verify steps instead of 17 with one optional space (SPACED_WHITESPACE,
+# which keeps a model's habitual `{"a": 1}` spacing legal).
+COMPACT_WHITESPACE = ""
+SPACED_WHITESPACE = r"[ ]?"
 
 # Characters with a meaning in a Rust regex (regex_syntax::is_meta_character): escaped in Choice options.
 _RUST_META = frozenset("\\.+*?()|[]{}^$#&-~")

@@ -68,6 +68,7 @@ def stack(automata: Sequence[TokenAutomaton | None], *, vocab_size: int | None =
                             + [np.full(pad_e, DEAD, np.int32)]),
         final=np.concatenate([h.final for h in hosts] + [np.zeros(pad_s, bool)]),
         forced=np.concatenate([h.forced for h in hosts] + [np.full(pad_s, -1, np.int32)]),
+        jump=np.concatenate([h.jump for h in hosts] + [np.full(pad_s, -1, np.int32)]),
         vocab_size=v,
     )
     return _to_device(host), initial
