@@ -26,6 +26,7 @@ from .models.loading import LanguageModel
 from .penalties import any_penalty
 from .proposers.base import Draft, Proposer
 from .shapes import bucket_shapes, widths_for_long_drafts
+from .text import TextStream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,10 +290,12 @@ class _Request:
     attention_impl: str
     predictions: predicted.Predictions | None = None
     constraint: constrained.ConstraintRows | None = None
+    stop: tuple[tuple[str, ...], ...] | None = None  # per row, the stop strings (None: none anywhere)
 
 
 def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, sampling, stop_token_ids, ignore_eos,
-             max_cache_len, attention_impl, spec, logprobs, rng, prediction=None, constraint=None) -> _Request:
+             max_cache_len, attention_impl, spec, logprobs, rng, prediction=None, constraint=None,
+             stop=None) -> _Request:
     """Every argument checked (ValueError naming the first bad one) and normalised."""
     spec = SpecConfig() if spec is None else spec
     if not isinstance(spec, SpecConfig):
@@ -318,7 +321,8 @@ def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, samp
     return _Request(ids=ids, sampling=rows, stop_table=stop_table, spec=spec, max_new_tokens=max_new_tokens,
                     logprobs=logprobs, attention_impl=attention_impl,
                     predictions=predicted.normalise(lm, prediction, len(ids), lm.config.vocab_size),
-                    constraint=constrained.rows_for(lm, constraint, len(ids)))
+                    constraint=constrained.rows_for(lm, constraint, len(ids)),
+                    stop=_stop_strings(lm, stop, len(ids)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -526,6 +530,7 @@ def generate(
     rng=None,
     prediction=None,
     constraint=None,
+    stop=None,
 ) -> GenerateResult:
     """Generate for a batch of prompts (strings, token-id lists or 1-D integer arrays, of different lengths;
     or one integer array i32[B, P] whose row i holds `prompt_lengths[i]` tokens, all P by default).
@@ -553,6 +558,10 @@ def generate(
     ends (at a stop id) only where the constraint is complete; tokens the constraint forces are drafted for free
     (up to `spec.forced_tokens` a step, beside methods none, ngram and sam). Constraints compile once per spec
     and tokenizer (`jaxspec.constraints`).
+    `stop` (text): a string or list of strings for every row, or one list (or None) per row. A row ends at the
+    first occurrence of any of them, also when one spans tokens or an accepted block: its tokens end with the one
+    completing the stop string, its text ends before it, and its finish reason is "stop". (The loop finds them
+    on the host after decoding; a row may decode past its stop string within the token budget.)
 
     Returns a GenerateResult: per row the new tokens as lists (`token_ids`) and as one array
     (`token_array` i32[B, max_new_tokens], -1 padded, with `num_tokens` i32[B]), text, finish reasons, stats.
@@ -561,7 +570,7 @@ def generate(
     req = _request(lm, prompts, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling,
                    stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_cache_len=max_cache_len,
                    attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng, prediction=prediction,
-                   constraint=constraint)
+                   constraint=constraint, stop=stop)
     if req.max_new_tokens == 0:
         return _empty_result(req)
     p = _prepare(lm, req)
@@ -583,6 +592,35 @@ def generate(
                    prediction_counts=predicted.counts(pstate) if req.predictions is not None else None)
 
 
+def _stop_strings(lm: LanguageModel, stop, batch: int) -> tuple[tuple[str, ...], ...] | None:
+    """`generate`'s `stop=`: None, a string or a list of strings for every row, or one list (or None) per row.
+    ValueError naming the bad entry."""
+    if stop is None:
+        return None
+    if isinstance(stop, str) or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+        rows = [[stop] if isinstance(stop, str) else list(stop)] * batch
+    elif isinstance(stop, (list, tuple)) and len(stop) == batch:
+        rows = [[] if s is None else [s] if isinstance(s, str) else s for s in stop]
+    else:
+        raise ValueError(f"stop={_short_repr(stop)} must be a string, a list of strings, or one of those (or None) "
+                         f"per prompt: {batch} entries")
+    for i, row in enumerate(rows):
+        if not isinstance(row, (list, tuple)) or any(not isinstance(s, str) or not s for s in row):
+            raise ValueError(f"stop[{i}]={_short_repr(row)} must hold non-empty strings")
+    if any(rows) and lm.tokenizer is None:
+        raise ValueError("stop= strings need the model's tokenizer (the model has none; use stop_token_ids)")
+    return tuple(tuple(r) for r in rows) if any(rows) else None
+
+
+def _cut_at_stop_string(lm: LanguageModel, tokens: list[int], stops: Sequence[str]) -> tuple[list[int], str] | None:
+    """(the tokens up to and including the one completing the first stop string, the text before the stop
+    string), or None when no stop string occurs. A stop string may span tokens and end mid-token."""
+    stream = TextStream(lm.tokenizer, stops)
+    stream.add(tokens)
+    stream.finish()
+    return (tokens[: stream.num_tokens], stream.text) if stream.stopped else None
+
+
 def _result(lm: LanguageModel, req: _Request, history, history_len, steps, counters, buffer, *, prefill_s: float,
             decode_s: float, prediction_counts: tuple[np.ndarray, np.ndarray] | None = None) -> GenerateResult:
     """The host-side result from the decoded state's arrays (already on the host)."""
@@ -595,7 +633,15 @@ def _result(lm: LanguageModel, req: _Request, history, history_len, steps, count
         token_ids.append(row)
         reasons.append("stop" if stopped else "length")
         body = row[:-1] if stopped else row
-        texts.append(lm.tokenizer.decode(body, skip_special_tokens=True) if lm.tokenizer else "")
+        text = lm.tokenizer.decode(body, skip_special_tokens=True) if lm.tokenizer else ""
+        cut = _cut_at_stop_string(lm, body, req.stop[i]) if req.stop is not None and req.stop[i] else None
+        if cut is not None:  # a stop string: the row ends with the token completing it, the text before it
+            row, text = cut
+            token_ids[i] = row
+            reasons[i] = "stop"
+            token_array[i, len(row):] = -1
+            num_tokens[i] = len(row)
+        texts.append(text)
         n = int(counters.steps[i])
         with_prediction = prediction_counts is not None and req.predictions.ids[i] is not None
         row_stats.append(RowStats(steps=n, drafted=int(counters.drafted[i]), accepted=int(counters.accepted[i]),
@@ -611,7 +657,7 @@ def _result(lm: LanguageModel, req: _Request, history, history_len, steps, count
         rows=tuple(row_stats))
     row_logprobs = None
     if buffer is not None:
-        row_logprobs = [to_host(row, *(x[i, prompt_lens[i]: history_len[i]] for x in
+        row_logprobs = [to_host(row, *(x[i, prompt_lens[i]: prompt_lens[i] + len(row)] for x in
                                        (buffer.token, buffer.top_ids, buffer.top)), req.logprobs)
                         for i, row in enumerate(token_ids)]
     return GenerateResult(token_ids=token_ids, text=texts, finish_reason=reasons, stats=stats,

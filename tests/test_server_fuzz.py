@@ -46,7 +46,7 @@ from jaxspec.models.llama import Llama
 from jaxspec.models.loading import named_model_path
 from jaxspec.models.tokenizer import Tokenizer
 from jaxspec.serving import create_app
-from jaxspec.serving.text import TextStream
+from jaxspec.text import TextStream
 from test_server import wait_for_idle  # the real server test's polling, over the in-process client here
 
 pytestmark = pytest.mark.real_model  # the real tokenizer comes from the SmolLM2 GGUF

@@ -1,7 +1,7 @@
 """The choices of one HTTP request, each one engine request: its `Output` events as text, merged or collected.
 
 The engine thread hands each `Output` to the event loop (`call_soon_threadsafe`); a `Choice` turns them into
-text pieces (incremental detokenization, stop strings: `jaxspec.serving.text`) and log-probability entries.
+text pieces (incremental detokenization, stop strings: `jaxspec.text`) and log-probability entries.
 A choice whose stop string appeared cancels its engine request, and a client that goes away cancels every
 unfinished one, which frees their rows within one chunk.
 """
@@ -15,9 +15,9 @@ from typing import AsyncIterator
 from fastapi import Request as HTTPRequest
 
 from ..engine import Engine, EngineStopped, Handle, Output, QueueFull, Request, RequestStats
+from ..text import TextStream
 from .errors import refused
 from .logprobs import Entry
-from .text import TextStream
 
 
 class Choice:

@@ -36,10 +36,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..config import SamplingParams
 from ..engine import Engine, EngineStopped, InvalidRequest, Output, QueueFull, Request
+from ..text import Detokenizer
 from .bodies import read_request
 from .errors import invalid_request, refused
 from .protocol import ChatMessage, RequestError, SpeculativeOptions
-from .text import Detokenizer
 from .translate import Translator
 
 STATIC_DIR = Path(__file__).parent / "static"
