@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import SamplingParams
+from jaxspec import SamplingParams, SpecConfig
 
 # ------------------------------------------------------------------------------------------- real model
 
@@ -125,3 +125,32 @@ def test_bad_input_raises_value_error_naming_the_value(tiny_lm, kwargs, message)
 def test_bad_sampling_values_raise_before_generation(tiny_lm):
     with pytest.raises(ValueError, match="top_p=1.5"):
         jaxspec.generate(tiny_lm, [[1, 2]], sampling=SamplingParams(top_p=1.5))
+
+
+# ------------------------------------------------------------------------------------------- stop strings
+
+
+def test_stop_strings_split_across_tokens_and_accepted_blocks(smollm2, humaneval_prompts):
+    """Text stop strings end a row exactly where plain decoding's text first holds one, also when the stop
+    string starts inside a token and when speculation accepted the tokens around it in one block."""
+    prompt = humaneval_prompts[2]
+    plain = jaxspec.generate(smollm2, [prompt], max_new_tokens=64)
+    text, tokens = plain.text[0], plain.token_ids[0]
+    pieces = [smollm2.tokenizer.decode(tokens[:n]) for n in range(len(tokens) + 1)]
+    # A stop string that starts one character into a token and ends inside a later one.
+    start = next(len(pieces[n]) + 1 for n in range(8, len(tokens)) if len(pieces[n + 1]) - len(pieces[n]) >= 3)
+    stop = text[start: start + 6]
+    assert stop not in text[: start + 5]
+    want_text = text[: start]
+    want_tokens = next(tokens[:n] for n in range(len(tokens) + 1) if stop in pieces[n])
+    for spec in (None, SpecConfig(method="sam"), SpecConfig(method="ngram")):
+        out = jaxspec.generate(smollm2, [prompt, prompt], max_new_tokens=64, spec=spec, stop=[[stop, "@@@"], None],
+                               prediction=[text, None] if spec is None else None)
+        assert out.text[0] == want_text and out.token_ids[0] == want_tokens and out.finish_reason[0] == "stop"
+        assert out.token_ids[1] == tokens and out.text[1] == text  # the row without stop strings
+        assert out.num_tokens[0] == len(want_tokens) and (out.token_array[0, len(want_tokens):] == -1).all()
+    with pytest.raises(ValueError, match=r"stop\[0\]"):
+        jaxspec.generate(smollm2, [prompt], max_new_tokens=4, stop=[[""]])
+    with pytest.raises(ValueError, match="tokenizer"):
+        jaxspec.generate(jaxspec.LanguageModel.from_module(smollm2.module, name="no-tokenizer"), [[1, 2]],
+                         max_new_tokens=4, stop="x")
