@@ -46,17 +46,8 @@ def check_key_range(num_states: int, vocab_size: int) -> None:
                          f"{_MAX_KEY // vocab_size} states fit")
 
 
-@flax.struct.dataclass
-class TokenAutomaton:
-    """Legal tokens and transitions of one or more token-level automata (see the module docstring)."""
-
-    allowed: jax.Array  # u32[S, W]
-    keys: jax.Array  # i32[E]  sorted state * vocab_size + token
-    next: jax.Array  # i32[E]
-    final: jax.Array  # bool[S]
-    forced: jax.Array  # i32[S]
-    jump: jax.Array  # i32[S]
-    vocab_size: int = flax.struct.field(pytree_node=False)
+class _Sizes:
+    """Sizes shared by the device automaton and its numpy twin (same field names)."""
 
     @property
     def num_states(self) -> int:
@@ -71,8 +62,22 @@ class TokenAutomaton:
         return sum(int(a.nbytes) for a in (self.allowed, self.keys, self.next, self.final, self.forced, self.jump))
 
 
+@flax.struct.dataclass
+class TokenAutomaton(_Sizes):
+    """Legal tokens and transitions of one or more token-level automata (see the module docstring)."""
+
+    allowed: jax.Array  # u32[S, W]
+    keys: jax.Array  # i32[E]  sorted state * vocab_size + token
+    next: jax.Array  # i32[E]
+    final: jax.Array  # bool[S]
+    forced: jax.Array  # i32[S]
+    jump: jax.Array  # i32[S]
+    vocab_size: int = flax.struct.field(pytree_node=False)
+
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class HostAutomaton:
+class HostAutomaton(_Sizes):
     """A `TokenAutomaton`'s arrays in numpy (the same layout)."""
 
     allowed: np.ndarray  # u32[S, W]
@@ -83,17 +88,6 @@ class HostAutomaton:
     jump: np.ndarray  # i32[S]
     vocab_size: int
 
-    @property
-    def num_states(self) -> int:
-        return self.allowed.shape[0]
-
-    @property
-    def num_edges(self) -> int:
-        return self.keys.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.allowed, self.keys, self.next, self.final, self.forced, self.jump))
 
 
 _twins: dict[int, HostAutomaton] = {}  # id(device automaton) -> its host arrays, while it lives
