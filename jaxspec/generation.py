@@ -332,9 +332,11 @@ class Prepared:
     Arrays live on the device; the rest are static arguments. `generate` runs exactly this:
 
         state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
-                        p.proposer_params, p.logprob_rows, proposer=p.proposer, cache_len=p.cache_len,
-                        buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs,
+                        p.proposer_params, p.logprob_rows, constraint=p.constraint, proposer=p.proposer,
+                        cache_len=p.cache_len, buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs,
                         track_counts=p.track_counts)
+        if p.predictions is not None:
+            state = jaxspec.predicted.install(state, p.predictions)
         state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params,
                        proposer=p.proposer, widths=p.widths, attention_impl=p.attention_impl,
                        verify_cost=p.verify_cost)
