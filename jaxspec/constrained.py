@@ -83,9 +83,13 @@ def constrain_scored(logits: jax.Array, rows: ConstraintRows | None, fed: jax.Ar
     without constraints)."""
     if rows is None:
         return logits
-    states = node_states(rows, fed, parents)  # i32[B, W]
-    ok = legal(rows.aut, states, stop_mask(stop_ids, logits.shape[-1]))
-    return jnp.where(ok, logits, -jnp.inf)
+
+    def mask(z):
+        states = node_states(rows, fed, parents)  # i32[B, W]
+        return jnp.where(legal(rows.aut, states, stop_mask(stop_ids, z.shape[-1])), z, -jnp.inf)
+
+    # A batch that carries constraints for every row (the serving engine's) pays nothing while none is active.
+    return jax.lax.cond(jnp.any(rows.state >= 0), mask, lambda z: z, logits)
 
 
 def commit(rows: ConstraintRows | None, tokens: jax.Array, keep: jax.Array) -> ConstraintRows | None:

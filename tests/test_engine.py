@@ -725,3 +725,31 @@ def test_predicted_outputs_in_a_mixed_batch_equal_offline(tiny_lm, fresh_engine)
         engine.submit(Request(PROMPTS[0], 4, prediction_ids=[1] * 65), Collector())
     with pytest.raises(InvalidRequest, match="max_prediction_len=0"):
         fresh_engine().submit(Request(PROMPTS[0], 4, prediction_ids=[1, 2]), Collector())
+
+
+# ---------------------------------------------------------------------- constraints
+
+
+def test_constrained_rows_beside_free_ones_equal_offline(tiny_lm, fresh_engine):
+    """Rows under two different automata join a batch one after the other (the batch's automata are restacked
+    and live rows' states moved), beside free rows: every output equals offline constrained decoding."""
+    from test_constrained import parity_automaton
+
+    parity = parity_automaton()
+    odd_first = parity_automaton()  # another automaton object: the batch stacks both
+    engine = fresh_engine(dataclasses.replace(CONFIG, chunk_steps=2)).start(warmup=False)
+    first = [Collector() for _ in range(2)]
+    engine.submit(Request(PROMPTS[0], N, constraint=parity, method="sam"), first[0])
+    engine.submit(Request(PROMPTS[1], N, method="ngram"), first[1])
+    first[0].wait_events(2)  # live and decoding before the next automaton arrives
+    later = [Request(PROMPTS[2], N, constraint=odd_first, method="none"),
+             Request(PROMPTS[3], N, constraint=parity, sampling=SamplingParams(temperature=0.8, seed=4))]
+    results = [c.wait() for c in first] + run_all(engine, later)
+    requests = [Request(PROMPTS[0], N, constraint=parity), Request(PROMPTS[1], N)] + later
+    for req, c in zip(requests, results):
+        want = jaxspec.generate(tiny_lm, [req.prompt_ids], max_new_tokens=N, sampling=req.sampling,
+                                constraint=req.constraint, spec=SpecConfig(forced_tokens=0)).token_ids[0]
+        assert c.tokens == want
+    assert all(t % 2 == i % 2 for i, t in enumerate(results[0].tokens))
+    with pytest.raises(InvalidRequest, match="constraint="):
+        engine.submit(Request(PROMPTS[0], 4, constraint="json"), Collector())

@@ -37,6 +37,9 @@ class EngineConfig:
     # row drafts up to spec.prediction_tokens tokens a step from its prediction (`jaxspec.predicted`), and the
     # loop compiles the wider verify widths that takes.
     max_prediction_len: int = 0
+    # Structured output: rows may decode under a constraint (`Request.constraint`); every row then carries an
+    # automaton state and the batch the stacked automata of its rows (`jaxspec.constrained`).
+    constraints: bool = True
 
     def __post_init__(self):
         if self.max_slots < 1:

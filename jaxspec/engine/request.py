@@ -45,6 +45,9 @@ class Request:
     logprobs: int | None = None  # also return each token's log-probability and this many most likely tokens
     # predicted outputs: token ids the output is expected to mostly repeat (at most config.max_prediction_len)
     prediction_ids: list[int] | None = None
+    # structured output: a jaxspec.Regex, JsonSchema or Choice (compiled over the model's tokenizer), or a
+    # compiled TokenAutomaton
+    constraint: object | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +161,33 @@ def check_sampling(sampling: SamplingParams) -> None:
         raise InvalidRequest("sampling", str(e)) from None
 
 
-def validate(request: Request, config: EngineConfig, *, vocab_size: int, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+def compiled_constraint(constraint, config: EngineConfig, tokenizer, vocab_size: int):
+    """The request's constraint as a TokenAutomaton (compiled once per spec and tokenizer), or None; raises
+    InvalidRequest("constraint", ...) for one the engine cannot serve."""
+    from ..constraints import Choice, JsonSchema, Regex, TokenAutomaton, compile_constraint
+
+    if constraint is None:
+        return None
+    if not config.constraints:
+        raise InvalidRequest("constraint", "constraints are not served (the engine was built with constraints=False)")
+    if isinstance(constraint, TokenAutomaton):
+        if constraint.vocab_size != vocab_size:
+            raise InvalidRequest("constraint", f"the automaton has {constraint.vocab_size} tokens; the model "
+                                 f"{vocab_size}")
+        return constraint
+    if not isinstance(constraint, (Regex, JsonSchema, Choice)):
+        raise InvalidRequest("constraint", f"constraint={constraint!r} must be a Regex, JsonSchema, Choice or "
+                             "TokenAutomaton")
+    if tokenizer is None:
+        raise InvalidRequest("constraint", "the model has no tokenizer to compile the constraint over")
+    try:
+        return compile_constraint(constraint, tokenizer, vocab_size)
+    except ValueError as e:
+        raise InvalidRequest("constraint", str(e)) from None
+
+
+def validate(request: Request, config: EngineConfig, *, vocab_size: int, eos_ids: tuple[int, ...],
+             tokenizer=None) -> tuple[int, ...]:
     """The request's stop ids (`LiveRequest.stop_ids`), or InvalidRequest (a ValueError) naming the bad value
     and its field, which the server answers with HTTP 400."""
     try:
@@ -184,6 +213,7 @@ def validate(request: Request, config: EngineConfig, *, vocab_size: int, eos_ids
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= most:
             raise InvalidRequest("logprobs", f"logprobs={top!r} must be an integer in [0, {most}]")
     check_prediction(request.prediction_ids, config, vocab_size)
+    compiled_constraint(request.constraint, config, tokenizer, vocab_size)
     k, most = request.num_speculative_tokens, config.num_speculative_tokens
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= most):
         raise InvalidRequest("num_speculative_tokens",

@@ -20,18 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import SamplingParams, SpecConfig
+from ..constrained import ConstraintRows
+from ..constraints import FREE, stack
 from ..decode import DecodeState, RowLimits, SpecCounters, decode_chunk, prefill
 from ..generation import default_attention_impl
 from ..limits import stop_table
 from ..logprobs import TokenLogprob, to_host, window
 from ..methods import build_proposer
 from ..models.loading import LanguageModel
+from ..proposers.base import BatchShared
 from ..proposers.mixed import MixedParams, MixedProposer, MixedState
 from ..proposers.prediction import PredictionProposer, PredictionState, pad_predictions, with_prediction
 from ..shapes import BUCKET_MIN, prompt_bucket
 from . import slots
 from .config import EngineConfig
-from .request import MAX_STOP_IDS, LiveRequest, Request
+from .request import MAX_STOP_IDS, LiveRequest, Request, compiled_constraint
 
 _log = logging.getLogger("jaxspec.engine")
 
@@ -129,6 +132,11 @@ class Runner:
         # it from elsewhere only while the engine idles.
         self.state: DecodeState | None = None
         self._empty_row: DecodeState | None = None
+        # Constraints: each slot's automaton (None: free), and each stacked automaton's initial state in the
+        # batch's current stack (`jaxspec.constraints.stack`), keyed by id (the automata are kept alive here).
+        self._row_automata: list = []
+        self._stack_initial: dict[int, int] = {}
+        self._stacked: list = []
         self._steps_read = 0  # the loop's step counter at the last read (a regroup keeps the old batch's)
 
     @property
@@ -145,16 +153,17 @@ class Runner:
     # ------------------------------------------------------------------ the batch
 
     def prefill(self, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams, limits: RowLimits,
-                wants_logprobs: bool | np.ndarray) -> DecodeState:
+                wants_logprobs: bool | np.ndarray, initial: Sequence[int] | None = None) -> DecodeState:
         """A state of prompts.shape[0] rows (prompts i32[B, P], prompt_lens i32[B]) in the batch's row shape;
-        `wants_logprobs` for every row, or bool[B] one per row."""
-        args, kwargs = self._prefill_args(prompts, prompt_lens, sampling, limits, wants_logprobs)
+        `wants_logprobs` for every row, or bool[B] one per row; `initial` each row's constraint state in the
+        batch's stacked automata (None: every row free)."""
+        args, kwargs = self._prefill_args(prompts, prompt_lens, sampling, limits, wants_logprobs, initial)
         state = prefill(*args, **kwargs)
         # Per-request counters only: the engine reads totals, not each step's commit count.
         return state.replace(counters=SpecCounters.zeros(prompts.shape[0], self.loop_k, 1))
 
     def _prefill_args(self, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams, limits: RowLimits,
-                      wants_logprobs: bool | np.ndarray) -> tuple[tuple, dict]:
+                      wants_logprobs: bool | np.ndarray, initial: Sequence[int] | None = None) -> tuple[tuple, dict]:
         """The arguments of `jaxspec.decode.prefill` for `prefill` (and for compiling it ahead, `warmup`)."""
         width = prompts.shape[1]
         caps = jnp.zeros((self.config.max_slots + 1,), jnp.int32)
@@ -162,11 +171,46 @@ class Runner:
         top = self.config.max_logprobs
         rows = None if top is None else jnp.asarray(np.broadcast_to(wants_logprobs, (prompts.shape[0],)))
         args = (self.lm.graphdef, self.lm.params, prompts, prompt_lens, sampling, limits,
-                MixedParams(caps, self._member_params), rows)
+                MixedParams(caps, self._member_params), rows, None, self._constraint_rows(prompts.shape[0], initial))
         # Every row counts its tokens too (one state shape), so any request may ask for penalties.
         kwargs = dict(proposer=self.proposer, cache_len=self.config.cache_len,
                       buffer_len=self.config.cache_len - width, num_top_logprobs=top or 0, track_counts=True)
         return args, kwargs
+
+    def _constraint_rows(self, batch: int, initial: Sequence[int] | None) -> ConstraintRows | None:
+        """The prefill's constraints: rows in the batch's current stack of automata (a free one before any)."""
+        if not self.config.constraints:
+            return None
+        if self.state is None or self.state.constraint is None:
+            automaton = BatchShared(stack([None], vocab_size=self.lm.config.vocab_size)[0])
+        else:
+            automaton = self.state.constraint.automaton
+        states = np.full((batch,), FREE, np.int32) if initial is None else np.asarray(initial, np.int32)
+        return ConstraintRows(state=jnp.asarray(states), automaton=automaton)
+
+    def _restack(self, slots_: Sequence[int], requests: Sequence[Request]) -> list[int]:
+        """Record the admitted requests' automata in their slots, restacking the batch's automata (and moving
+        the live rows' states to their automaton's new place) when one is new; returns each request's initial
+        state."""
+        automata = list(self._row_automata)
+        for slot, r in zip(slots_, requests):
+            automata[slot] = compiled_constraint(r.constraint, self.config, self.lm.tokenizer,
+                                                 self.lm.config.vocab_size)
+        if any(a is not None and id(a) not in self._stack_initial for a in automata):
+            aut, initial = stack(automata, vocab_size=self.lm.config.vocab_size)
+            initial = np.asarray(initial)
+            new_map = {id(a): int(initial[i]) for i, a in enumerate(automata) if a is not None}
+            delta = np.zeros((len(automata),), np.int32)  # i32[B] each live row's shift to the new stack
+            for i, a in enumerate(self._row_automata):
+                if a is not None and id(a) in new_map:
+                    delta[i] = new_map[id(a)] - self._stack_initial[id(a)]
+            old = self.state.constraint.state
+            self.state = self.state.replace(constraint=ConstraintRows(
+                state=jnp.where(old >= 0, old + jnp.asarray(delta), old), automaton=BatchShared(aut)))
+            self._stack_initial = new_map
+            self._stacked = [a for a in automata if a is not None]
+        self._row_automata = automata
+        return [FREE if automata[s] is None else self._stack_initial[id(automata[s])] for s in slots_]
 
     def empty_state(self, n: int) -> DecodeState:
         """n finished rows: copies of a one-token prefill (a valid proposer state too), marked done."""
@@ -181,6 +225,7 @@ class Runner:
         """Start over from n finished rows (its step counter at 0)."""
         self.state = self.empty_state(n)
         self._steps_read = 0
+        self._row_automata, self._stack_initial, self._stacked = [None] * n, {}, []
 
     def regroup(self, keep: list[int], n: int) -> None:
         """Regroup the batch into n rows: rows `keep` first, in that order, then finished ones."""
@@ -190,6 +235,7 @@ class Runner:
             self.reset(n)
         else:
             self.state = slots.regroup(self.state, keep, self.empty_state(n))
+            self._row_automata = [self._row_automata[k] for k in keep] + [None] * (n - len(keep))
 
     def lost(self) -> bool:
         """Whether the batch is gone: never built, or donated to a device program that then failed."""
@@ -207,13 +253,15 @@ class Runner:
         return fits[0]
 
     def prefill_requests(self, requests: Sequence[Request], methods: Sequence[str],
-                         stop_ids: Sequence[Sequence[int]]) -> DecodeState:
+                         stop_ids: Sequence[Sequence[int]], initial: Sequence[int] | None = None) -> DecodeState:
         """One prefill of `requests` together: a state of `prefill_size(len(requests))` rows, row i request i's
         (its method's proposer chosen, its own draft budget), then dummy rows (one-token prompts, done at once)
         whose results nobody reads. The prompts are padded to the prompt bucket of the longest. Each row's
         values are its own request's (sampling, seed, budget, stop ids, log-probabilities): a row's prefill does
         not depend on the rows beside it."""
-        rows = self.prefill(*self._prefill_inputs(requests, stop_ids))
+        if initial is not None:  # dummy rows decode free
+            initial = list(initial) + [FREE] * (self.prefill_size(len(requests)) - len(requests))
+        rows = self.prefill(*self._prefill_inputs(requests, stop_ids), initial=initial)
         choice = np.zeros((rows.done.shape[0],), np.int32)  # i32[B] each row's member proposer
         budget = np.zeros((rows.done.shape[0],), np.int32)  # i32[B] each row's own draft budget (0: none)
         for i, (r, method) in enumerate(zip(requests, methods)):
@@ -250,7 +298,8 @@ class Runner:
         into distinct free slots. Returns each request's first token, which prefill samples (done when that
         token is a stop id or the budget is one token)."""
         slots_, requests, methods, stop_ids = zip(*admissions)
-        rows = self.prefill_requests(requests, methods, stop_ids)
+        initial = self._restack(slots_, requests) if self.config.constraints else None
+        rows = self.prefill_requests(requests, methods, stop_ids, initial)
         if rows.done.shape[0] == 1:  # one request: written as it always was
             self.state = slots.insert(self.state, rows, jnp.asarray(slots_[0], jnp.int32))
         else:

@@ -84,7 +84,8 @@ class Engine:
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequest (a ValueError) naming the bad value and its field; the server answers 400."""
-        validate(request, self.config, vocab_size=self.lm.config.vocab_size, eos_ids=self.eos_ids)
+        validate(request, self.config, vocab_size=self.lm.config.vocab_size, eos_ids=self.eos_ids,
+                 tokenizer=self.lm.tokenizer)
 
     def start(self, warmup: bool = True) -> "Engine":
         """Launch the loop thread (compiling every slot bucket first with `warmup`); returns the engine."""
@@ -94,7 +95,8 @@ class Engine:
 
     def submit(self, request: Request, callback: Callable[[Output], None]) -> Handle:
         """Queue a request; `callback` receives its outputs on the engine thread (keep it quick)."""
-        stop_ids = validate(request, self.config, vocab_size=self.lm.config.vocab_size, eos_ids=self.eos_ids)
+        stop_ids = validate(request, self.config, vocab_size=self.lm.config.vocab_size, eos_ids=self.eos_ids,
+                            tokenizer=self.lm.tokenizer)
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")

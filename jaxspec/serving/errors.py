@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 # The HTTP field behind each engine `Request` field an InvalidRequest names ("prompt_ids" and "logprobs" differ by
 # endpoint; "sampling.<name>" is the body's <name>).
 ENGINE_PARAMS = {"max_tokens": "max_tokens", "num_speculative_tokens": "speculative.num_speculative_tokens",
-                 "method": "speculative.method", "stop_token_ids": "stop_token_ids", "prediction_ids": "prediction"}
+                 "method": "speculative.method", "stop_token_ids": "stop_token_ids", "prediction_ids": "prediction",
+                 "constraint": "response_format"}
 
 
 def invalid_request(error: InvalidRequest, *, prompt_param: str, logprobs_param: str) -> RequestError:

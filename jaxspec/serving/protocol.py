@@ -54,6 +54,14 @@ class Prediction(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class ResponseFormat(_Body):
+    """The `response_format` request field: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    # {"name": ..., "schema": {...}, "strict": ..., "description": ...} with type "json_schema"
+    json_schema: dict[str, Any] | None = None
+
+
 class _Generation(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -73,6 +81,7 @@ class _Generation(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension (extra_body)
     speculative: SpeculativeOptions | Literal["off"] | None = None
     prediction: Prediction | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     @field_validator("stop")

@@ -61,6 +61,7 @@ def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics
             raise RequestError(f"prompt: {len(prompts)} prompts x n={body.n} make {len(prompts) * body.n} "
                                f"choices; this server takes at most {capacity} at once", param="prompt")
         ids_list = await translator.encode_all(prompts, "prompt")
+        await translator.compile_response_format(body)
         requests = []
         for ids in ids_list:
             if not ids:
@@ -79,6 +80,7 @@ def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         ids = await translator.chat_prompt(body.messages)
+        await translator.compile_response_format(body)
         requests = translator.engine_requests(body, ids, prompt_param="messages", default_max=None,
                                               logprobs_param="top_logprobs")
         choices = submit(engine, requests, tokenizer, body.stop_strings)

@@ -12,10 +12,11 @@ import asyncio
 import secrets
 
 from ..config import SamplingParams
+from ..constraints import JsonSchema, compile_constraint
 from ..engine import Engine, InvalidRequest, Request
 from .bodies import OFF_LOOP_BYTES
 from .errors import invalid_request
-from .protocol import ChatMessage, RequestError
+from .protocol import ChatMessage, RequestError, ResponseFormat
 
 
 class Translator:
@@ -53,6 +54,17 @@ class Translator:
             raise RequestError(f"{param} is empty: at least one token is needed", param=param)
         return ids
 
+    async def compile_response_format(self, body) -> None:
+        """Compile the body's `response_format` constraint off the event loop (a new schema takes from
+        milliseconds to seconds; compiled ones are cached, so the engine's own check is then instant)."""
+        spec = response_constraint(body.response_format)
+        if spec is None or not self.engine.config.constraints:
+            return
+        try:
+            await asyncio.to_thread(compile_constraint, spec, self.tokenizer, self.engine.lm.config.vocab_size)
+        except ValueError as e:
+            raise RequestError(f"response_format: {e}", param="response_format") from None
+
     async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of a chat rendered with the model's chat template, ready for the assistant's reply."""
         rendered = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
@@ -74,6 +86,7 @@ class Translator:
         max_tokens = default_max if body.max_tokens is None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(self.engine.max_context - len(prompt_ids), 1)
+        constraint = response_constraint(body.response_format)
         prediction = None
         if body.prediction is not None:
             prediction = self._encode(body.prediction.text(), "prediction") or None
@@ -87,9 +100,30 @@ class Translator:
             requests.append(Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
                                     stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                                     method=method, num_speculative_tokens=k, logprobs=body.top_logprobs_wanted,
-                                    prediction_ids=prediction))
+                                    prediction_ids=prediction, constraint=constraint))
         try:
             self.engine.validate(requests[0])  # the choices differ only in their seeds
         except InvalidRequest as e:
             raise invalid_request(e, prompt_param=prompt_param, logprobs_param=logprobs_param) from None
         return requests
+
+
+# `response_format: {"type": "json_object"}`: any JSON object (outlines-core's generic object; its automaton
+# compiles once, in seconds, and is cached).
+ANY_OBJECT = {"type": "object"}
+
+
+def response_constraint(fmt: ResponseFormat | None) -> JsonSchema | None:
+    """The constraint a `response_format` asks for (None: free text); RequestError naming the field."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return JsonSchema(ANY_OBJECT)
+    schema = (fmt.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise RequestError("response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format.json_schema")
+    try:
+        return JsonSchema(schema)
+    except ValueError as e:
+        raise RequestError(f"response_format: {e}", param="response_format.json_schema") from None
