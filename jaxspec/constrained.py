@@ -151,9 +151,13 @@ class ForcedTokenProposer(ChainProposer):
             # nothing follows a stop.
             return (after, drafted & (after != state)), (token, drafted)
 
-        _, (drafted, kept) = jax.lax.scan(step, (ctx.constraint.state, jnp.ones((batch,), bool)), jnp.arange(k))
-        drafted, kept = drafted.T, kept.T  # i32[B, K], bool[B, K]
-        return Draft(tokens=drafted, num_draft=jnp.sum(kept, axis=1).astype(jnp.int32)), pstate
+        def walk():
+            _, (drafted, kept) = jax.lax.scan(step, (ctx.constraint.state, jnp.ones((batch,), bool)), jnp.arange(k))
+            return drafted.T, jnp.sum(kept.T, axis=1).astype(jnp.int32)  # i32[B, K], i32[B]
+
+        # A batch that carries constraints for every row (the serving engine's) walks nothing while none is active.
+        tokens, num = jax.lax.cond(jnp.any(ctx.constraint.state >= 0), walk, lambda: (tokens, num))
+        return Draft(tokens=tokens, num_draft=num), pstate
 
     def update(self, params, pstate, ctx: Context, committed: Committed):
         return pstate if self.inner is None else self.inner.update(params, pstate, ctx, committed)

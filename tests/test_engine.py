@@ -19,6 +19,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -753,3 +754,33 @@ def test_constrained_rows_beside_free_ones_equal_offline(tiny_lm, fresh_engine):
     assert all(t % 2 == i % 2 for i, t in enumerate(results[0].tokens))
     with pytest.raises(InvalidRequest, match="constraint="):
         engine.submit(Request(PROMPTS[0], 4, constraint="json"), Collector())
+
+
+def forcing_automaton(vocab: int = 97):
+    """Tokens 5, then any even one, then 7, then any even one, ...: every other token is forced."""
+    from jaxspec.constraints import TokenAutomaton
+
+    words = -(-vocab // 32)
+    allowed = np.zeros((4, words * 32), bool)
+    allowed[0, 5] = allowed[2, 7] = True
+    allowed[1, 0:vocab:2] = allowed[3, 0:vocab:2] = True
+    packed = (allowed.reshape(4, words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+    edges = sorted((s * vocab + t, (s + 1) % 4) for s in range(4) for t in np.flatnonzero(allowed[s, :vocab]))
+    return TokenAutomaton(allowed=jnp.asarray(packed.astype(np.uint32)),
+                          keys=jnp.asarray([k for k, _ in edges], jnp.int32),
+                          next=jnp.asarray([n for _, n in edges], jnp.int32), final=jnp.zeros((4,), bool),
+                          forced=jnp.asarray([5, -1, 7, -1], jnp.int32), jump=jnp.full((4,), -1, jnp.int32),
+                          vocab_size=vocab)
+
+
+def test_served_constrained_rows_draft_forced_tokens(tiny_lm, fresh_engine):
+    aut = forcing_automaton()
+    engine = fresh_engine().start(warmup=False)
+    got = run_all(engine, [Request(PROMPTS[0], N, constraint=aut, method="none"),
+                           Request(PROMPTS[1], N, method="none")])
+    want = jaxspec.generate(tiny_lm, [PROMPTS[0]], max_new_tokens=N, constraint=aut,
+                            spec=SpecConfig(forced_tokens=0)).token_ids[0]
+    assert got[0].tokens == want and set(want[0::4]) == {5} and set(want[2::4]) == {7}
+    stats = got[0].final.stats
+    assert stats.drafted > 0 and stats.accepted == stats.drafted  # a forced token is always accepted
+    assert got[1].final.stats.drafted == 0  # the free row beside it, method none: nothing drafted

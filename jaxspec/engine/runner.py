@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import SamplingParams, SpecConfig
-from ..constrained import ConstraintRows
+from ..constrained import ConstraintRows, ForcedTokenProposer
 from ..constraints import FREE, stack
 from ..decode import DecodeState, RowLimits, SpecCounters, decode_chunk, prefill
 from ..generation import default_attention_impl
@@ -28,6 +28,7 @@ from ..limits import stop_table
 from ..logprobs import TokenLogprob, to_host, window
 from ..methods import build_proposer
 from ..models.loading import LanguageModel
+from ..predicted import RESYNC_MIN_MATCH, RESYNC_NGRAM
 from ..proposers.base import BatchShared
 from ..proposers.mixed import MixedParams, MixedProposer, MixedState
 from ..proposers.prediction import PredictionProposer, PredictionState, pad_predictions, with_prediction
@@ -126,7 +127,11 @@ class Runner:
         self.loop_k = config.loop_k  # the loop's draft budget: K, or the prediction budget when larger
         if config.max_prediction_len:
             # Rows with a prediction draft from it first; the member proposers draft for every other row.
-            self.proposer = PredictionProposer(self.loop_k, config.max_prediction_len, inner=self.proposer)
+            self.proposer = PredictionProposer(self.loop_k, config.max_prediction_len, ngram=RESYNC_NGRAM,
+                                               min_match=RESYNC_MIN_MATCH, inner=self.proposer)
+        if config.constraints and not self.proposer.needs_features:
+            # Constrained rows draft the tokens (and JSON keys) their constraint forces, within the loop's K.
+            self.proposer = ForcedTokenProposer(self.loop_k, inner=self.proposer)
         self._member_params = tuple(member_params)
         # The batch: B rows, B one of config.slot_buckets. The loop thread donates it to every program, so read
         # it from elsewhere only while the engine idles.

@@ -68,6 +68,10 @@ class PredictionState:
     # n-gram must lie in the output (a prompt quoting the prediction would otherwise match across the boundary)
     prompt_len: jax.Array
     inner: Any  # the inner proposer's state, () without one
+    # i32[B] the shortest output n-gram that may re-synchronise the row: min_match, doubled (up to ngram) each
+    # time a prediction draft is rejected outright, back to min_match when one is accepted. In a prediction
+    # that does not fit the output, short n-grams match by chance and every false draft costs a wide verify.
+    need: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +127,7 @@ class PredictionProposer(ChainProposer):
         return PredictionState(
             tokens=jnp.zeros((batch, self.max_prediction_len), jnp.int32), length=zeros(), cursor=zeros(),
             synced=jnp.ones((batch,), bool), drafted=zeros(), accepted=zeros(), rejected=zeros(),
+            need=jnp.full((batch,), self.min_match, jnp.int32),
             # Right after prefill the newest token is the first generated one: the prompt is everything before.
             prompt_len=(ctx.history_len - 1).astype(jnp.int32),
             inner=() if self.inner is None else self.inner.init(params, ctx))
@@ -149,6 +154,7 @@ class PredictionProposer(ChainProposer):
                 for t in range(n):
                     hits &= pred[:, t: t + num_windows] == suffix[:, t: t + 1]
                 i = jnp.arange(num_windows)
+                hits &= (n >= pstate.need)[:, None]  # long enough for the row's recent record
                 hits &= ((i >= cursor[:, None]) & (i + n <= length[:, None])  # inside the prediction, not behind
                          & (out_len[:, None] >= n) & retry[:, None])  # the n-gram lies in the output
                 first = jnp.min(jnp.where(hits, i, width), axis=1)  # i32[B], width: no hit
@@ -214,7 +220,9 @@ class PredictionProposer(ChainProposer):
             # A committed token off the prediction leaves the cursor at the mismatch: propose re-syncs from it.
             synced=pstate.synced & (run == num),
             drafted=jnp.zeros_like(pstate.drafted),
-            accepted=pstate.accepted + accepted, rejected=pstate.rejected + rejected, inner=inner)
+            accepted=pstate.accepted + accepted, rejected=pstate.rejected + rejected, inner=inner,
+            need=jnp.where(accepted > 0, self.min_match,
+                           jnp.where(pstate.drafted > 0, jnp.minimum(2 * pstate.need, self.ngram), pstate.need)))
 
 
 def with_prediction(pstate: PredictionState, tokens, lengths, history, history_len, prompt_len) -> PredictionState:

@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Predicted outputs and structured output on the default model: tokens/s against plain decoding, side by side.
+
+edits: batch 1 greedy over HumanEval completions (the held-out split). The prediction is the target's own greedy
+  output with a fraction f of its lines edited (an identifier renamed, a number changed, a comment added), as a
+  capable model's edit would meet a prediction: f = 0, 0.1, 0.3, and `unrelated` (another prompt's output).
+  Then the extractive chat requests (rename, type hints, docstring, re-indent; benchkit.workloads) with the
+  original code as the prediction, reported as they come out.
+json: extraction chat requests with a JSON schema each: free text (no constraint) against constrained decoding
+  without any drafts (the mask's cost), with forced-token drafting, and with forced tokens + sam.
+
+Every condition's output is checked: predicted outputs give the plain tokens; constrained outputs validate and
+are identical across drafting modes. Tokens/s is over the decode loop (GenerateStats.decode_s); conditions run
+interleaved per prompt after one warm-up each, so machine noise hits all alike.
+
+    python scripts/bench_outputs.py edits --prompts 20 --new-tokens 128
+    python scripts/bench_outputs.py json --new-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import statistics
+
+import jsonschema
+
+import jaxspec
+from benchkit import machine, tables, workloads
+from jaxspec import SpecConfig
+
+EDIT_FRACTIONS = (0.0, 0.1, 0.3)
+
+
+def edit_lines(text: str, fraction: float, rng: random.Random) -> str:
+    """`text` with round(fraction * non-empty lines) lines edited (at least one for fraction > 0)."""
+    lines = text.split("\n")
+    candidates = [i for i, line in enumerate(lines) if line.strip()]
+    count = 0 if fraction == 0 else max(1, round(fraction * len(candidates)))
+    for i in rng.sample(candidates, min(count, len(candidates))):
+        line = lines[i]
+        names = re.findall(r"\b[a-z_][a-z0-9_]*\b", line)
+        if names and rng.random() < 0.5:
+            old = rng.choice(names)
+            lines[i] = re.sub(rf"\b{old}\b", old + "_new", line)
+        elif re.search(r"\d", line):
+            lines[i] = re.sub(r"\d+", lambda m: str(int(m.group()) + 1), line, count=1)
+        else:
+            lines[i] = line + "  # edited"
+    return "\n".join(lines)
+
+
+def _run(lm, prompt, n, **kwargs):
+    """One greedy generation of one prompt."""
+    return jaxspec.generate(lm, [prompt], max_new_tokens=n, **kwargs)
+
+
+def _rate(out) -> float:
+    return (out.stats.generated_tokens - 1) / out.stats.decode_s
+
+
+def _geomean(values) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else float("nan")
+
+
+def bench_edits(lm, args) -> list[str]:
+    prompts = workloads.held_out_texts(args.prompts)
+    plain = [_run(lm, p, args.new_tokens) for p in prompts]  # the reference outputs (and warm-up)
+    _run(lm, prompts[0], args.new_tokens, prediction=plain[0].text[0])  # compiles the prediction loop
+    rng = random.Random(0)
+    conditions = {f"f={f}": f for f in EDIT_FRACTIONS}
+    conditions["unrelated"] = None
+    rows, per = [], {name: [] for name in conditions}
+    for i, (prompt, ref) in enumerate(zip(prompts, plain)):
+        predictions = {name: (plain[(i + 1) % len(plain)].text[0] if f is None else edit_lines(ref.text[0], f, rng))
+                       for name, f in conditions.items()}
+        outs = {"none": _run(lm, prompt, args.new_tokens)}
+        for name, prediction in predictions.items():
+            outs[name] = _run(lm, prompt, args.new_tokens, prediction=prediction)
+        for name, out in outs.items():
+            if out.token_ids != ref.token_ids:
+                raise SystemExit(f"prompt {i} {name}: output differs from plain decoding")
+        base = _rate(outs["none"])
+        line = [f"prompt {i}: none {base:.1f} tok/s"]
+        for name in conditions:
+            r = outs[name].stats.rows[0]
+            per[name].append((_rate(outs[name]) / base, r.accepted_prediction_tokens, r.rejected_prediction_tokens,
+                              r.steps, r.generated))
+            line.append(f"{name} {_rate(outs[name]) / base:.2f}x acc {r.accepted_prediction_tokens} "
+                        f"rej {r.rejected_prediction_tokens} steps {r.steps}/{r.generated - 1}")
+        print(" | ".join(line), flush=True)
+    for name, values in per.items():
+        ratio = _geomean([v[0] for v in values])
+        tokens = sum(v[4] - 1 for v in values)
+        rows.append([name, f"{ratio:.2f}x", sum(v[1] for v in values), sum(v[2] for v in values),
+                     f"{tokens / sum(v[3] for v in values):.2f}"])
+    table = tables.markdown(["prediction", "tokens/s vs none (geomean)", "accepted prediction tokens",
+                             "rejected", "tokens per step"], rows)
+    return [f"### Predicted outputs: {len(prompts)} held-out HumanEval completions, {args.new_tokens} tokens", "",
+            table, "", *bench_edit_requests(lm, args)]
+
+
+def bench_edit_requests(lm, args) -> list[str]:
+    requests = workloads.extractive_requests(args.requests)
+    texts = workloads.extractive_texts(lm.tokenizer, args.requests)
+    rows = []
+    for r, text in zip(requests, texts):
+        _run(lm, text, args.new_tokens)  # warm-up of this prompt's shape, plainly and with the prediction
+        _run(lm, text, args.new_tokens, prediction=r["code"])
+        none = _run(lm, text, args.new_tokens)
+        out = _run(lm, text, args.new_tokens, prediction=r["code"])
+        if out.token_ids != none.token_ids:
+            raise SystemExit(f"{r['task_id']}: output differs with the prediction")
+        row = out.stats.rows[0]
+        rows.append([r["task_id"], r["kind"], f"{_rate(out) / _rate(none):.2f}x", row.accepted_prediction_tokens,
+                     row.rejected_prediction_tokens, f"{(row.generated - 1) / max(row.steps, 1):.2f}"])
+        print(" | ".join(str(c) for c in rows[-1]), flush=True)
+    table = tables.markdown(["request", "kind", "tokens/s vs none", "accepted", "rejected", "tokens per step"], rows)
+    geo = _geomean([float(r[2][:-1]) for r in rows])
+    return [f"### Edit requests as they come out ({len(rows)} extractive chat requests, prediction = the code)", "",
+            table, "", f"Geometric mean: {geo:.2f}x."]
+
+
+PASSAGES = [
+    ("Tom is a 3 year old grey cat who lives indoors in Oslo.",
+     {"name": "string", "age": "integer", "colour": "string", "indoor": "boolean", "city": "string"}),
+    ("Rex, a 7 year old brown dog, lives outside on a farm near Lyon.",
+     {"name": "string", "age": "integer", "colour": "string", "indoor": "boolean", "city": "string"}),
+    ("The Acme X200 laptop costs 1299 dollars, weighs 1.4 kg and is in stock.",
+     {"product": "string", "price": "integer", "weight_kg": "number", "in_stock": "boolean"}),
+    ("The Zen kettle sells for 45 dollars, weighs 0.9 kg and is sold out.",
+     {"product": "string", "price": "integer", "weight_kg": "number", "in_stock": "boolean"}),
+    ("Maria Lopez, 34, works as a nurse in Madrid and speaks Spanish and English.",
+     {"name": "string", "age": "integer", "job": "string", "city": "string", "languages": "array"}),
+    ("Ken Sato, 51, is a chef in Osaka who speaks Japanese.",
+     {"name": "string", "age": "integer", "job": "string", "city": "string", "languages": "array"}),
+    ("The jazz concert starts at 8 pm on June 3 at the Blue Hall; tickets are 20 euros.",
+     {"event": "string", "time": "string", "date": "string", "venue": "string", "price": "integer"}),
+    ("A chess tournament opens at 10 am on May 9 at City Library; entry is 5 euros.",
+     {"event": "string", "time": "string", "date": "string", "venue": "string", "price": "integer"}),
+    ("We are hiring a senior Python developer in Berlin, full time, salary 80000 euros, remote allowed.",
+     {"title": "string", "city": "string", "full_time": "boolean", "salary": "integer", "remote": "boolean"}),
+    ("Part-time barista wanted in Dublin, 12 euros per hour, no remote work.",
+     {"title": "string", "city": "string", "full_time": "boolean", "salary": "integer", "remote": "boolean"}),
+]
+
+
+def schema_of(fields: dict) -> dict:
+    props = {}
+    for name, kind in fields.items():
+        if kind == "array":
+            props[name] = {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4}
+        elif kind == "string":
+            props[name] = {"type": "string", "maxLength": 30}
+        else:
+            props[name] = {"type": kind}
+    return {"type": "object", "properties": props, "required": list(fields)}
+
+
+def bench_json(lm, args) -> list[str]:
+    conditions = {"free": {}, "json/none": {"spec": SpecConfig(forced_tokens=0)}, "json/forced": {"spec": SpecConfig()},
+                  "json/forced+sam": {"spec": SpecConfig(method="sam")}, "free/sam": {"spec": SpecConfig(method="sam")}}
+    per = {name: [] for name in conditions}
+    for i, (passage, fields) in enumerate(PASSAGES[: args.prompts]):
+        schema = schema_of(fields)
+        message = f"Extract the fields {', '.join(fields)} from this text as JSON.\n\n{passage}"
+        prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
+        runs = {}
+        for name, kw in conditions.items():
+            constraint = jaxspec.JsonSchema(schema) if name.startswith("json") else None
+            _run(lm, prompt, args.new_tokens, constraint=constraint, **kw)  # warm-up of this shape
+            runs[name] = _run(lm, prompt, args.new_tokens, constraint=constraint, **kw)
+        outs = [runs[n] for n in conditions if n.startswith("json")]
+        if any(o.token_ids != outs[0].token_ids for o in outs):
+            raise SystemExit(f"prompt {i}: constrained outputs differ between drafting modes")
+        if outs[0].finish_reason[0] == "stop":
+            jsonschema.validate(json.loads(outs[0].text[0]), schema)
+        base = runs["free"]
+        for name, out in runs.items():
+            per[name].append((_rate(out) / _rate(base), out.stats.decode_s / base.stats.decode_s,
+                              out.stats.steps, out.stats.generated_tokens - 1,
+                              out.stats.decode_s / max(out.stats.steps, 1)))
+        print(f"prompt {i}: " + " | ".join(f"{n} {per[n][-1][0]:.2f}x ({per[n][-1][2]} steps)" for n in conditions)
+              + f" | {outs[0].text[0]}", flush=True)
+    rows = [[name, f"{_geomean([v[0] for v in values]):.2f}x", f"{_geomean([v[1] for v in values]):.2f}",
+             f"{sum(v[3] for v in values) / sum(v[2] for v in values):.2f}",
+             f"{1000 * statistics.fmean(v[4] for v in values):.1f}"] for name, values in per.items()]
+    table = tables.markdown(["condition", "tokens/s vs free (geomean)", "time per completion vs free",
+                             "tokens per step", "ms per step"], rows)
+    return [f"### Structured output: {len(per['free'])} extraction requests with a JSON schema, up to "
+            f"{args.new_tokens} tokens", "", table]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workload", choices=("edits", "json"))
+    p.add_argument("--prompts", type=int, default=20, help="prompts (default: %(default)s; json has 10)")
+    p.add_argument("--requests", type=int, default=20, help="edit requests (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens per completion (default: %(default)s)")
+    p.add_argument("--out", help="also write the markdown tables to this file")
+    args = p.parse_args()
+    lm = jaxspec.load_model()
+    print(machine.line(machine.info()), flush=True)
+    lines = bench_edits(lm, args) if args.workload == "edits" else bench_json(lm, args)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
