@@ -21,7 +21,7 @@ from .proposers.prediction import PredictionProposer, PredictionState, pad_predi
 from .shapes import next_pow2
 
 MIN_PREDICTION_WIDTH = 64  # prediction buffers are a power of two wide, at least this: few compiled shapes
-RESYNC_NGRAM, RESYNC_MIN_MATCH = 16, 4  # after an edit, re-synchronise on the newest 16..4 output tokens
+RESYNC_NGRAM, RESYNC_MIN_MATCH = 8, 4  # after an edit, re-synchronise on the newest 8..4 output tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ def install(state, predictions: Predictions):
     """The decode state after prefill with each row's prediction in the proposer state."""
     tokens, lengths = predictions.padded()
     return state.replace(pstate=with_prediction(state.pstate, tokens, lengths, state.history, state.history_len,
-                                                state.prompt_len))
+                                                state.prompt_len, trust_start=False))
 
 
 def counts(pstate: Any) -> tuple[np.ndarray, np.ndarray] | None:

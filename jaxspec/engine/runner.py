@@ -280,7 +280,7 @@ class Runner:
             ids = [r.prediction_ids for r in requests] + [None] * (len(choice) - len(requests))  # dummy rows: none
             tokens, lengths = pad_predictions(ids, self.config.max_prediction_len)
             pstate = with_prediction(rows.pstate.replace(inner=pstate), tokens, lengths, rows.history,
-                                     rows.history_len, rows.prompt_len)
+                                     rows.history_len, rows.prompt_len, trust_start=False)
         return rows.replace(pstate=pstate)
 
     def _prefill_inputs(self, requests: Sequence[Request], stop_ids: Sequence[Sequence[int]]) -> tuple:

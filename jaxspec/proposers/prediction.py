@@ -225,16 +225,19 @@ class PredictionProposer(ChainProposer):
                            jnp.where(pstate.drafted > 0, jnp.minimum(2 * pstate.need, self.ngram), pstate.need)))
 
 
-def with_prediction(pstate: PredictionState, tokens, lengths, history, history_len, prompt_len) -> PredictionState:
+def with_prediction(pstate: PredictionState, tokens, lengths, history, history_len, prompt_len, *,
+                    trust_start: bool = True) -> PredictionState:
     """The state with each row's prediction installed (pure, jittable): tokens i32[B, L'] (L' <= L, padded to
     the state's L), lengths i32[B] (0: no prediction; clipped to L' under jit, checked otherwise), and the
     cursor set from the row's output so far, history[b, prompt_len[b]:history_len[b]] (after prefill: the first
     generated token).
 
     An output that is a prefix of the prediction puts the cursor after it; a single token that is not makes the
-    first step propose the prediction's start (cursor 0); a longer output that left the prediction starts out
-    of sync at its last matching position, and propose re-synchronises by n-gram. The counters start at 0;
-    the inner proposer's state is kept.
+    first step propose the prediction's start (cursor 0) with `trust_start`, or starts out of sync without it
+    (`generate` and the engine: an unrelated prediction then costs nothing until an output n-gram matches it,
+    where a first draft of K prediction tokens would cost a wide verify); a longer output that left the
+    prediction starts out of sync at its last matching position, and propose re-synchronises by n-gram. The
+    counters start at 0; the inner proposer's state is kept.
     """
     batch, width = pstate.tokens.shape
     tokens = jnp.asarray(tokens).astype(jnp.int32)
@@ -261,7 +264,8 @@ def with_prediction(pstate: PredictionState, tokens, lengths, history, history_l
     # Fresh buffers for every field: `decode` donates the whole state, and one buffer held twice (a shared
     # zeros, the DecodeState's own prompt_len called eagerly) fails as a double donation.
     return pstate.replace(tokens=jnp.array(tokens, copy=True), length=lengths, cursor=run,
-                          synced=(run == out_len) | (out_len <= 1), drafted=jnp.zeros((batch,), jnp.int32),
+                          synced=(run == out_len) | ((out_len <= 1) & trust_start),
+                          drafted=jnp.zeros((batch,), jnp.int32),
                           accepted=jnp.zeros((batch,), jnp.int32), rejected=jnp.zeros((batch,), jnp.int32),
                           prompt_len=jnp.array(prompt_len, copy=True))
 
