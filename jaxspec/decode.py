@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import constrained, cost
+from . import constrained, cost, sharding
 from . import logprobs as lp
 from .cache import KVCache
 from .config import SamplingParams
@@ -233,7 +233,23 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     ctx = _context(state, sampling, limits, k)
     if proposer.needs_features:
         ctx = ctx.replace(features=hidden)
-    return state.replace(pstate=proposer.init(proposer_params, ctx))
+    return pinned(state.replace(pstate=proposer.init(proposer_params, ctx)))
+
+
+def pinned(state: DecodeState) -> DecodeState:
+    """The state with its rows pinned to the mesh's batch axis and the cache's KV heads to its heads axis
+    (`jaxspec.sharding.use_rules`), so the loop carries one layout from step to step; unchanged without a mesh."""
+    if sharding.active() is None:
+        return state
+    batch = state.history.shape[0]
+
+    def heads(x):
+        return sharding.constrain(x, "batch", "heads", None, None)  # [B, Hkv, S, hd]
+
+    cache = state.cache
+    cache = cache.replace(k=tuple(map(heads, cache.k)), v=tuple(map(heads, cache.v)),
+                          lengths=sharding.constrain(cache.lengths, "batch"))
+    return sharding.constrain_rows(state.replace(cache=None), batch).replace(cache=cache)
 
 
 @flax.struct.dataclass
@@ -490,9 +506,10 @@ def _loop(graphdef, params, state: DecodeState, sampling: SamplingParams, limits
         return ~jnp.all(s.done) & (s.steps < last_step)
 
     def body(s: DecodeState):
-        return spec_step(model, proposer, proposer_params, s, sampling, limits, widths, attention_impl, verify_cost)
+        return pinned(spec_step(model, proposer, proposer_params, s, sampling, limits, widths, attention_impl,
+                                verify_cost))
 
-    return jax.lax.while_loop(cond, body, state)
+    return jax.lax.while_loop(cond, body, pinned(state))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "widths", "attention_impl"),

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import constrained, cost, predicted
+from . import constrained, cost, predicted, sharding
 from .config import SamplingParams, SpecConfig, _short_repr, is_integer
 from .decode import RowLimits, decode, mean_acceptance_length, prefill, propose_once
 from .limits import check_prompt, eos_ids, is_token_list, stop_ids, stop_table
@@ -467,9 +467,22 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
         num_top_logprobs=req.logprobs or 0,
         track_counts=bool(np.any(np.asarray(any_penalty(req.sampling)))), predictions=req.predictions,
         constraint=req.constraint)
+    if lm.mesh is not None:
+        prepared = _on_mesh(lm, prepared)
     if req.spec.method == "custom":
-        check_draft_shapes(lm, prepared)
+        with sharding.use_rules(lm.mesh, lm.rules):
+            check_draft_shapes(lm, prepared)
     return prepared
+
+
+def _on_mesh(lm: LanguageModel, p: Prepared) -> Prepared:
+    """The prepared batch placed on the model's mesh: rows over its batch axis, shared arrays (the proposer's
+    weights, a static automaton) replicated. ValueError when the batch axis does not divide the rows."""
+    sharding.check_batch(lm.mesh, lm.rules, p.batch_size)
+    fields = ("prompts", "prompt_lens", "sampling", "limits", "proposer_params", "verify_cost", "logprob_rows",
+              "constraint")
+    return dataclasses.replace(p, **{name: sharding.put_rows(getattr(p, name), lm.mesh, lm.rules, p.batch_size)
+                                     for name in fields})
 
 
 def prepare(
@@ -578,17 +591,18 @@ def generate(
     p = _prepare(lm, req)
 
     t0 = time.perf_counter()
-    state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
-                    p.logprob_rows, constraint=p.constraint, proposer=p.proposer, cache_len=p.cache_len,
-                    buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs, track_counts=p.track_counts)
-    if p.predictions is not None:
-        state = predicted.install(state, p.predictions)
-    jax.block_until_ready(state.history)
-    t1 = time.perf_counter()
-    state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, proposer=p.proposer,
-                   widths=p.widths, attention_impl=p.attention_impl, verify_cost=p.verify_cost)
-    history, history_len, steps, counters, buffer, pstate = jax.device_get(
-        (state.history, state.history_len, state.steps, state.counters, state.logprobs, state.pstate))
+    with sharding.use_rules(lm.mesh, lm.rules):  # nothing without a mesh
+        state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
+                        p.logprob_rows, constraint=p.constraint, proposer=p.proposer, cache_len=p.cache_len,
+                        buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs, track_counts=p.track_counts)
+        if p.predictions is not None:
+            state = predicted.install(state, p.predictions)
+        jax.block_until_ready(state.history)
+        t1 = time.perf_counter()
+        state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, proposer=p.proposer,
+                       widths=p.widths, attention_impl=p.attention_impl, verify_cost=p.verify_cost)
+        history, history_len, steps, counters, buffer, pstate = jax.device_get(
+            (state.history, state.history_len, state.steps, state.counters, state.logprobs, state.pstate))
     t2 = time.perf_counter()
     return _result(lm, req, history, history_len, steps, counters, buffer, prefill_s=t1 - t0, decode_s=t2 - t1,
                    prediction_counts=predicted.counts(pstate) if req.predictions is not None else None)

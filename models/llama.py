@@ -25,10 +25,12 @@ from typing import Literal
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxspec.cache import KVCache, write_new
 from jaxspec.kernels.cpu import MatmulImpl, default_impl, project, uses_kernel
+from jaxspec.sharding import constrain
 
 from .config import ModelConfig
 from .rope import apply_rope, rope_tables
@@ -75,6 +77,10 @@ class Attention(nnx.Module):
         self.qkv = _dense_init(rngs, (qkv_width, cfg.hidden_size), dt)  # [(H + 2 Hkv) hd, D]
         self.qkv_bias = nnx.Param(jnp.zeros((qkv_width,), dt)) if cfg.attention_bias else None
         self.o = _dense_init(rngs, (cfg.hidden_size, cfg.num_heads * cfg.head_dim), dt)  # [D, H hd]
+        # Static: the qkv rows are stored as `blocks` consecutive [q; k; v] blocks of H/blocks query and
+        # Hkv/blocks KV heads each (`set_blocks`), so a tensor-parallel split of the rows gives each device whole
+        # heads. 1 (one [q; k; v]) without a mesh.
+        self.blocks = 1
 
     def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
                  cached_slots=None):
@@ -86,8 +92,11 @@ class Attention(nnx.Module):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...][:, None]
         # Heads leave the feature-major layout here: attention works per row on [B, T, heads, hd].
-        qkv = qkv.reshape(H + 2 * Hkv, hd, B, T).transpose(2, 3, 0, 1)
-        q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+        n = self.blocks
+        qkv = qkv.reshape(n, (H + 2 * Hkv) // n, hd, B, T)  # block i: its H/n query, Hkv/n key, Hkv/n value heads
+        q, k, v = jnp.split(qkv, [H // n, (H + Hkv) // n], axis=1)
+        q, k, v = (x.reshape(-1, hd, B, T).transpose(2, 3, 0, 1) for x in (q, k, v))  # [B, T, heads, hd]
+        q, k, v = (constrain(x, "batch", None, "heads", None) for x in (q, k, v))
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
         v = v.transpose(0, 2, 1, 3)
@@ -167,11 +176,14 @@ class MLP(nnx.Module):
         self.gate_up = _dense_init(rngs, (2 * cfg.intermediate_size, cfg.hidden_size), dt)  # [2F, D]
         self.down = _dense_init(rngs, (cfg.hidden_size, cfg.intermediate_size), dt)  # [D, F]
         self.matmul = matmul or default_impl()
+        self.blocks = 1  # static: gate_up rows stored as `blocks` [gate; up] blocks of F/blocks units (`set_blocks`)
 
     def __call__(self, xt):
         """xt [D, N] -> [D, N], feature-major."""
-        gate, up = jnp.split(project(self.gate_up[...], xt, self.matmul), 2, axis=0)
-        return project(self.down[...], jax.nn.silu(gate) * up, self.matmul)
+        h = project(self.gate_up[...], xt, self.matmul)  # [2F, N]
+        h = h.reshape(self.blocks, 2, -1, h.shape[-1])  # block i: [gate; up] of its F/blocks hidden units
+        hidden = (jax.nn.silu(h[:, 0]) * h[:, 1]).reshape(-1, h.shape[-1])  # [F, N] in the canonical unit order
+        return project(self.down[...], constrain(hidden, "mlp", "batch"), self.matmul)
 
 
 class DecoderLayer(nnx.Module):
@@ -297,3 +309,45 @@ def set_matmul(module: nnx.Module, impl: MatmulImpl) -> None:
     for _, sub in nnx.iter_graph(module):
         if isinstance(sub, (Llama, Attention, MLP)):
             sub.matmul = impl
+
+
+def _interleave(w: jax.Array, parts: tuple[int, ...], blocks: int, inverse: bool = False) -> jax.Array:
+    """Rows of w [sum(parts), ...] stored part after part -> `blocks` consecutive blocks, each holding 1/blocks of
+    every part in order (and back with inverse=True)."""
+    rest = w.shape[1:]
+    if inverse:
+        per_block = [p // blocks for p in parts]
+        chunks = jnp.split(w.reshape(blocks, sum(per_block), *rest), np.cumsum(per_block)[:-1].tolist(), axis=1)
+        return jnp.concatenate([c.reshape(-1, *rest) for c in chunks], axis=0)
+    chunks = jnp.split(w, np.cumsum(parts)[:-1].tolist(), axis=0)
+    return jnp.concatenate([c.reshape(blocks, -1, *rest) for c in chunks], axis=1).reshape(w.shape)
+
+
+def set_blocks(module: nnx.Module, heads: int, mlp: int) -> None:
+    """Store every fused projection under `module` (a Llama, a layer) as per-device blocks, permuting the weights
+    in place: qkv as `heads` blocks of [q; k; v] (whole heads each), gate_up as `mlp` blocks of [gate; up].
+
+    A tensor-parallel split of the rows over n devices then gives each device whole heads and matching gate and
+    up units when n divides the block count (`jaxspec.sharding` sets blocks = n). Outputs are unchanged; 1 and 1
+    is the layout models are built and loaded in. ValueError when a count does not divide the heads or units.
+    """
+    for _, sub in nnx.iter_graph(module):
+        if isinstance(sub, Attention):
+            cfg = sub.cfg
+            if cfg.num_kv_heads % heads or cfg.num_heads % heads:
+                raise ValueError(f"heads={heads} blocks must divide num_heads={cfg.num_heads} and "
+                                 f"num_kv_heads={cfg.num_kv_heads}")
+            parts = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+            for name in ("qkv", "qkv_bias"):
+                param = getattr(sub, name)
+                if param is not None:
+                    param[...] = _interleave(_interleave(param[...], parts, sub.blocks, inverse=True), parts, heads)
+            sub.blocks = heads
+        elif isinstance(sub, MLP):
+            units = sub.down.shape[1]
+            if units % mlp:
+                raise ValueError(f"mlp={mlp} blocks must divide intermediate_size={units}")
+            parts = (units, units)
+            sub.gate_up[...] = _interleave(_interleave(sub.gate_up[...], parts, sub.blocks, inverse=True), parts, mlp)
+            sub.blocks = mlp
+

@@ -15,14 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from jaxspec.sharding import ShardingRules, axis_size, check_rules, param_shardings
 from jaxspec.target import TargetModel, check_target
 
 from .config import ModelConfig, RopeConfig
-from .llama import Llama
+from .llama import Llama, set_blocks, set_matmul
 from .tokenizer import Tokenizer
 
 
@@ -57,6 +60,30 @@ class LanguageModel:
     graphdef: Any  # nnx.GraphDef of Llama (hashable, a static jit argument)
     params: Any  # nnx.State: the weights, passed to jitted functions as an argument
     tokenizer: Tokenizer | None  # None for a model built in code without one
+    mesh: Mesh | None = None  # the devices its parameters are split over (`on_mesh`); None: one device
+    rules: ShardingRules | None = None  # how they are split, with `mesh`
+
+    def on_mesh(self, mesh: Mesh, rules: ShardingRules | None = None) -> "LanguageModel":
+        """This model with its parameters placed on `mesh` by `rules` (default `ShardingRules()`): tensor parallel
+        over the rules' model axis, and `generate`, `rollout` and the engine then run batches over its data axis.
+
+        The fused projections are re-laid out per device (`jaxspec.models.llama.set_blocks`) and projections use
+        XLA's product, which XLA partitions (the CPU kernel is a custom call it cannot). A target that is not the
+        shipped Llama keeps its parameters whole on every device (only rows are split). ValueError naming the mesh
+        axis and size that does not divide what a rule splits.
+        """
+        rules = ShardingRules() if rules is None else rules
+        module = nnx.merge(self.graphdef, self.params, copy=True)  # set_blocks writes; this model keeps its arrays
+        if not isinstance(module, Llama):
+            rules = dataclasses.replace(rules, heads=None, mlp=None, vocab=None)
+        check_rules(mesh, rules, self.config, repr(self.name))
+        if isinstance(module, Llama):
+            set_blocks(module, axis_size(mesh, rules.heads), axis_size(mesh, rules.mlp))
+            if mesh.size > 1:
+                set_matmul(module, "xla")
+        graphdef, params = nnx.split(module)
+        params = jax.device_put(params, param_shardings(params, mesh, rules))
+        return dataclasses.replace(self, graphdef=graphdef, params=params, mesh=mesh, rules=rules)
 
     @property
     def module(self) -> Llama:
@@ -76,12 +103,16 @@ class LanguageModel:
         return cls(name=name, config=module.cfg, graphdef=graphdef, params=params, tokenizer=tokenizer)
 
 
-def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = "float32") -> LanguageModel:
+def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = "float32", mesh: Mesh | None = None,
+               rules: ShardingRules | None = None) -> LanguageModel:
     """Load a named model (see NAMED_MODELS), a `.gguf` file, or a Hugging Face directory.
 
     A Hugging Face directory holds `config.json`, `model.safetensors` or a sharded
-    `model.safetensors.index.json`, and `tokenizer.json`.
+    `model.safetensors.index.json`, and `tokenizer.json`. With a `mesh` (`jaxspec.sharding.make_mesh`), the
+    parameters are placed on it by `rules` (`LanguageModel.on_mesh`).
     """
+    if mesh is None and rules is not None:
+        raise ValueError("rules= needs a mesh= to place the parameters on")
     key = str(name_or_path)
     if key in NAMED_MODELS:
         path = named_model_path(key)
@@ -97,7 +128,8 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     else:
         raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a Hugging Face directory")
     module = build_module(config, weights)
-    return LanguageModel.from_module(module, tokenizer, name=key)
+    lm = LanguageModel.from_module(module, tokenizer, name=key)
+    return lm if mesh is None else lm.on_mesh(mesh, rules)
 
 
 def named_model_path(name: str) -> Path:
