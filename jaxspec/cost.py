@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import sharding
+
 PRIOR_RATE = 0.5  # a row's acceptance rate before it has drafted
 PRIOR_WEIGHT = 4.0  # ... weighted as this many drafted tokens
 CACHE_ENV = "JAXSPEC_VERIFY_COST"  # "off": never measure (narrowest width holding the drafts); else a directory
@@ -79,6 +81,8 @@ def _key(lm, batch: int, cache_len: int, widths: tuple[int, ...], cached: int, a
     device = jax.devices()[0]
     parts = [lm.name, repr(lm.config), jax.__version__, device.platform, getattr(device, "device_kind", ""),
              os.cpu_count(), batch, cache_len, widths, cached, attention_impl]
+    if lm.mesh is not None:  # a partitioned forward costs what its mesh and rules make it cost
+        parts += [dict(lm.mesh.shape), lm.rules]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
@@ -147,10 +151,14 @@ def _measure(lm, batch: int, cache_len: int, widths: tuple[int, ...], cached: in
              repeats: int, key: str) -> tuple[float, ...]:
     cache = nnx.merge(lm.graphdef, lm.params).new_cache(batch, cache_len)
     cache = cache.replace(lengths=jnp.full((batch,), cached, jnp.int32))
+    if lm.mesh is not None:  # rows where a decode on the model's mesh keeps them
+        cache = sharding.put_rows(cache, lm.mesh, lm.rules, batch)
 
     def run(width: int) -> float:
         nonlocal cache
         tokens = jnp.zeros((batch, width), jnp.int32)
+        if lm.mesh is not None:
+            tokens = sharding.put_rows(tokens, lm.mesh, lm.rules, batch)
         t0 = time.perf_counter()
         logits, cache = _forward(lm.graphdef, lm.params, cache, tokens, attention_impl=attention_impl)
         logits.block_until_ready()

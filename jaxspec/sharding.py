@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from typing import Any, Sequence
 
 import jax
@@ -161,7 +162,8 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 # The rules in effect while a jitted function is traced. `generate`, `rollout` and the engine trace their
 # programs under `use_rules(lm)`; arrays created inside the program (the KV cache, the history) are then pinned
 # with `constrain`, which is a no-op for a model without a mesh.
-_ACTIVE: list[tuple[Mesh, ShardingRules]] = []
+# Per thread: the serving engine traces on its own loop thread.
+_ACTIVE = threading.local()
 
 
 @contextlib.contextmanager
@@ -171,29 +173,42 @@ def use_rules(mesh: Mesh | None, rules: ShardingRules | None):
     if mesh is None:
         yield
         return
-    _ACTIVE.append((mesh, rules or ShardingRules()))
+    stack = _ACTIVE.__dict__.setdefault("stack", [])
+    stack.append((mesh, rules or ShardingRules()))
     try:
         with jax.set_mesh(mesh):
             yield
     finally:
-        _ACTIVE.pop()
+        stack.pop()
 
 
 def active() -> tuple[Mesh, ShardingRules] | None:
-    """The (mesh, rules) being traced under, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    """The (mesh, rules) this thread traces under, or None."""
+    stack = getattr(_ACTIVE, "stack", None)
+    return stack[-1] if stack else None
 
 
 def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     """Pin x's sharding to the mesh axes its logical axes map to (one name or None per dimension, "batch",
-    "heads", "mlp", "vocab"); x itself outside `use_rules` or for a mesh of one device."""
+    "heads", "mlp", "vocab"); x itself outside `use_rules` or for a mesh of one device. A dimension its mesh
+    axis does not divide (the serving engine prefills one request at a time) stays whole on every device."""
     current = active()
-    if current is None or math.prod(current[0].shape.values()) == 1:
+    if current is None or mesh_size(current[0]) == 1:
         return x
     mesh, rules = current
     axes = rules.axes()
-    spec = P(*(None if name is None else axes[name] for name in logical))
+
+    def axis(dim: int, name: str | None) -> str | None:
+        mesh_axis = None if name is None else axes[name]
+        return mesh_axis if x.shape[dim] % axis_size(mesh, mesh_axis) == 0 else None
+
+    spec = P(*(axis(d, name) for d, name in enumerate(logical)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def mesh_size(mesh: Mesh) -> int:
+    """The number of devices in the mesh."""
+    return math.prod(mesh.shape.values())
 
 
 def constrain_rows(tree: Any, batch: int) -> Any:

@@ -82,6 +82,17 @@ class EngineConfig:
             raise ValueError(f"slot_buckets={self.slot_buckets!r} must be >= 1 and end at max_slots={self.max_slots}")
         object.__setattr__(self, "slot_buckets", buckets)
 
+    def on_data_axis(self, size: int) -> "EngineConfig":
+        """These settings for a batch split over a mesh's data axis of `size` devices: every slot bucket rounded
+        up to a multiple of it, so each device holds as many rows. ValueError when max_slots is not a multiple."""
+        if size == 1:
+            return self
+        if self.max_slots % size:
+            raise ValueError(f"max_slots={self.max_slots} must be a multiple of the mesh's data axis size {size}: "
+                             "each device holds max_slots / size rows")
+        return dataclasses.replace(self, slot_buckets=tuple(sorted({-(-b // size) * size
+                                                                    for b in self.slot_buckets})))
+
     @property
     def num_speculative_tokens(self) -> int:
         """K: the engine's draft budget (the default method's, or 8 when that method is `none`)."""

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .. import sharding
 from ..limits import eos_ids
 from ..logprobs import TokenLogprob
 from ..models.loading import LanguageModel
@@ -43,6 +44,8 @@ class Engine:
                  policy: SpeculationPolicy | None = None,
                  observers: Sequence[Callable[[str, dict], None]] = ()):
         config = EngineConfig() if config is None else config
+        if lm.mesh is not None:  # rows split over the mesh's data axis: batch sizes it divides
+            config = config.on_data_axis(sharding.axis_size(lm.mesh, lm.rules.batch))
         context = lm.config.max_position_embeddings
         if config.cache_len > context:
             raise ValueError(f"cache_len={config.cache_len} exceeds the {context} positions model {lm.name!r} "
@@ -162,6 +165,10 @@ class Engine:
             self._wakeup.notify()
 
     def _run(self, warmup: bool) -> None:
+        with sharding.use_rules(self.lm.mesh, self.lm.rules):  # the loop thread traces under the model's mesh
+            self._serve(warmup)
+
+    def _serve(self, warmup: bool) -> None:
         try:
             self._resize(self.config.slot_buckets[0])
             if warmup:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import cost
+from .. import cost, sharding
 from ..config import SamplingParams, SpecConfig
 from ..decode import DecodeState, RowLimits, decode_chunk, prefill
 from ..engine import slots
@@ -45,15 +45,16 @@ from .result import ChunkRecord, RolloutResult, SampleRecord, timeline_stats
 MIN_COMPACT_BATCH = 8  # below 8 rows XLA:CPU runs a forward no faster than at 8 (docs/cpu-performance.md)
 
 
-def batch_buckets(num_rows: int) -> tuple[int, ...]:
+def batch_buckets(num_rows: int, multiple: int = 1) -> tuple[int, ...]:
     """The compiled batch sizes a rollout of `num_rows` samples compacts through, largest first: the first
-    batch, the powers of two from 8 below it, and 1."""
+    batch, the powers of two from 8 below it, and 1; on a mesh only multiples of its data axis (`multiple`),
+    so every device keeps the same number of rows."""
     sizes = {num_rows, 1}
     size = MIN_COMPACT_BATCH
     while size < num_rows:
         sizes.add(size)
         size *= 2
-    return tuple(sorted(sizes, reverse=True))
+    return tuple(sorted({-(-n // multiple) * multiple for n in sizes}, reverse=True))
 
 
 def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int, sampling,
@@ -120,6 +121,10 @@ class _Rollout:
             group_size=inputs.num_samples)
         if inputs.references is not None:
             self.proposer_params = inputs.references
+        self.params = inputs.params
+        if lm.mesh is not None:  # updated policy weights go where lm's own parameters are
+            self.params = jax.device_put(inputs.params, jax.tree.map(lambda x: x.sharding, lm.params))
+            self.proposer_params = sharding.replicate(self.proposer_params, lm.mesh)
         automaton_bytes = 0
         if isinstance(self.proposer, GroupSamProposer):
             if group_capacity is not None:
@@ -130,7 +135,9 @@ class _Rollout:
         check_memory(lm, inputs, cache_len=self.cache_len, history_len=self.width + self.buffer_len,
                      automaton_bytes=automaton_bytes)
         self.widths = spec.verify_widths
-        self.buckets = batch_buckets(inputs.num_rows) if compaction else (inputs.num_rows,)
+        sharding.check_batch(lm.mesh, lm.rules, inputs.num_rows)
+        data = sharding.axis_size(lm.mesh, lm.rules.batch if lm.rules else None)
+        self.buckets = batch_buckets(inputs.num_rows, data) if compaction else (inputs.num_rows,)
         self.policy = TailPolicy(spec.num_speculative_tokens, self.widths, self._verify_cost, mode=speculation)
         self.prompt_lens = np.asarray(lens, np.int32)
         self.max_new = np.full((inputs.num_rows,), inputs.max_new_tokens, np.int32)
@@ -146,7 +153,16 @@ class _Rollout:
         limits = RowLimits(max_new_tokens=jnp.asarray(self.max_new[np.maximum(rows, 0)]),
                            stop_ids=jnp.asarray(self.inputs.stop_table[np.maximum(rows, 0)]),
                            draft_cap=jnp.full((len(rows),), cap, jnp.int32))
-        return sampling, limits
+        return self._place((sampling, limits), len(rows))
+
+    def _place(self, tree, batch: int):
+        """On a mesh: arrays of `batch` rows over its data axis, the rest replicated (`jaxspec.sharding`)."""
+        lm = self.lm
+        if lm.mesh is None:
+            return tree
+        if batch % sharding.axis_size(lm.mesh, lm.rules.batch):
+            return sharding.replicate(tree, lm.mesh)  # prompts that do not split evenly: each device runs all
+        return sharding.put_rows(tree, lm.mesh, lm.rules, batch)
 
     def _verify_cost(self, batch: int) -> dict[int, float] | None:
         """c(w) at this batch size, measured once per machine and shape (None when measuring is off)."""
@@ -160,6 +176,10 @@ class _Rollout:
     # ------------------------------------------------------------------ the loop
 
     def run(self, shared_prefill: bool = True) -> RolloutResult:
+        with sharding.use_rules(self.lm.mesh, self.lm.rules):  # nothing without a mesh
+            return self._run(shared_prefill)
+
+    def _run(self, shared_prefill: bool) -> RolloutResult:
         inputs, lm = self.inputs, self.lm
         t0 = time.perf_counter()
         prompts = np.zeros((inputs.num_prompts, self.width), np.int32)
@@ -174,7 +194,9 @@ class _Rollout:
         sampling, limits = self._settings(rows, cap)
         logprob_rows = jnp.ones((inputs.num_rows,), bool) if inputs.logprobs else None
         processed = jnp.full((inputs.num_rows,), inputs.logprobs_mode == "sampling") if inputs.logprobs else None
-        state = prefill(lm.graphdef, inputs.params, jnp.asarray(prompts), jnp.asarray(prompt_lens), sampling, limits,
+        logprob_rows, processed = self._place((logprob_rows, processed), inputs.num_rows)
+        prompts, prompt_lens = self._place((jnp.asarray(prompts), jnp.asarray(prompt_lens)), len(prompts))
+        state = prefill(lm.graphdef, self.params, prompts, prompt_lens, sampling, limits,
                         self.proposer_params, logprob_rows, processed, proposer=self.proposer,
                         cache_len=self.cache_len, buffer_len=self.buffer_len, group_size=group_size,
                         track_counts=bool(np.any(np.asarray(any_penalty(sampling)))))
@@ -202,7 +224,7 @@ class _Rollout:
             # A chunk that drafts nothing compiles width 1 alone: a `lax.switch` over the verify widths costs a
             # third of a plain step at batch 32 on XLA:CPU (docs/BENCHMARKS.md). The proposer still follows
             # every committed token, so it is ready when speculation turns on.
-            state = decode_chunk(lm.graphdef, inputs.params, state, sampling, limits, self.proposer_params,
+            state = decode_chunk(lm.graphdef, self.params, state, sampling, limits, self.proposer_params,
                                  proposer=self.proposer, widths=self.widths if cap else (1,),
                                  attention_impl=self.attention_impl, num_steps=self.chunk_steps)
             done, step, row_steps, accepted_at = (np.asarray(x) for x in jax.device_get(
