@@ -66,6 +66,21 @@ class ShardingRules:
         """{logical axis: mesh axis or None}."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
+    @classmethod
+    def fitting(cls, cfg, mesh: Mesh) -> "ShardingRules":
+        """The default rules, with attention kept whole where the model axis does not divide the query and KV
+        heads (SmolLM2-135M's 3 KV heads on a model axis of 2, 4 or 8): what a command line offers for any mesh."""
+        n = axis_size(mesh, MODEL)
+        return cls() if cfg.num_heads % n == 0 and cfg.num_kv_heads % n == 0 else cls(heads=None)
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """(data, model) from a command line's "DATAxMODEL" (e.g. "2x4"); ValueError naming the text otherwise."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"mesh={text!r} must be DATAxMODEL with positive integers, e.g. 2x4")
+    return int(parts[0]), int(parts[1])
+
 
 def axis_size(mesh: Mesh | None, axis: str | None) -> int:
     """How many devices a mesh axis spans (1 for None or no mesh)."""

@@ -74,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip compiling every batch size before listening (the first requests then wait)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to finish in-flight requests after SIGINT/SIGTERM (default: %(default)s)")
+    p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                   help="split the model over DATA x MODEL devices (e.g. 2x4): batch rows over DATA, tensor parallel "
+                        "over MODEL (attention kept whole where MODEL does not divide its heads); default one device")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -115,13 +118,18 @@ def main(argv=None) -> int:
                                                   if args.max_prediction_len is None else args.max_prediction_len))
         policy = make_policy(args.policy, max_active=args.spec_max_active)
         lm = jaxspec.load_model(args.model)
+        if args.mesh is not None:
+            from jaxspec.sharding import ShardingRules, make_mesh, parse_mesh
+
+            mesh = make_mesh(*parse_mesh(args.mesh))
+            lm = lm.on_mesh(mesh, ShardingRules.fitting(lm.config, mesh))
         engine = Engine(lm, config, policy=policy)
         name = args.served_model_name or args.model
 
         def announce():
             print(f"jaxspec: serving {name} at http://{args.host}:{args.port} (method {spec.method}, "
                   f"K={config.num_speculative_tokens}, policy {args.policy}, {config.max_slots} slots, "
-                  f"cache {config.cache_len})", flush=True)
+                  f"cache {config.cache_len}" + (f", mesh {args.mesh}" if args.mesh else "") + ")", flush=True)
 
         app = create_app(engine, served_model_name=name, warmup=not args.no_warmup,
                          graceful_timeout_s=args.graceful_timeout, on_ready=announce,

@@ -203,3 +203,48 @@ def test_default_model_tensor_parallel():
 def test_engine_on_a_mesh():
     """The serving engine on a (2, 4) mesh: requests joining one batch give what generate gives each alone."""
     assert "engine OK" in _run(ENGINE)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("default_model_installed")
+def test_server_on_a_mesh(tmp_path):
+    """`serve.py --mesh 2x3` on 6 of 8 forced CPU devices answers the openai client with the single-device text."""
+    import socket
+    import time
+    from pathlib import Path
+
+    import httpx
+    import openai
+
+    import jaxspec
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(root / "scripts" / "serve.py"), "--port", str(port), "--mesh",
+                                 "2x3", "--max-slots", "2", "--cache-len", "512", "--no-warmup", "--method", "sam",
+                                 "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        prompt = 'def is_palindrome(text: str) -> bool:\n    """Return whether text reads the same backwards."""\n'
+        got = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=32, temperature=0)
+        want = jaxspec.generate(jaxspec.load_model(), [prompt], max_new_tokens=32)
+        assert got.choices[0].text == want.text[0]
+        assert "mesh 2x3" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(60)
