@@ -302,7 +302,7 @@ def test_cli_help_explains_every_option(kind):
     assert out.returncode == 0, out.stderr
     options = ["--model", "--out", "--data", "--stdlib-prompts", "--gen-tokens", "--temperature", "--seq-len",
                "--batch-size", "--steps", "--epochs", "--lr", "--warmup-steps", "--weight-decay", "--clip",
-               "--save-every", "--keep", "--seed", "--restart", "--eval-only", "--ship"]
+               "--save-every", "--keep", "--seed", "--restart", "--eval-only", "--ship", "--data-parallel"]
     options += (["--w-cls", "--noise", "--context", "--unroll", "--unroll-decay"] if kind == "eagle"
                 else ["--num-heads", "--decay"])
     for option in options:
@@ -319,6 +319,7 @@ def test_cli_help_explains_every_option(kind):
     ("eagle", ["--context", "200", "--seq-len", "64"], "context=200 must be below seq_len=64"),
     ("eagle", ["--unroll", "0"], "--unroll: '0' must be > 0"),
     ("medusa", ["--steps", "10", "--epochs", "2"], "not allowed with argument"),
+    ("eagle", ["--data-parallel", "4"], "needs 4 devices; there are 1"),
 ])
 def test_cli_rejects_bad_arguments_before_loading_anything(kind, argv, message, capsys):
     module = {"eagle": "jaxspec.train.eagle", "medusa": "jaxspec.train.medusa"}[kind]

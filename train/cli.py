@@ -112,6 +112,9 @@ def build_parser(kind: str, *, defaults: dict, add_options: Callable, descriptio
     g.add_argument("--seed", type=nonnegative(int), default=0,
                    help="seed of the head's initialisation, the window order and the training noise "
                         "(default: %(default)s)")
+    g.add_argument("--data-parallel", type=positive(int), default=1, metavar="N",
+                   help="split each batch over N devices, gradients added over them (default: %(default)s; on CPU "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices)")
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=positive(int), default=50,
@@ -155,6 +158,12 @@ def main(kind: str, argv: list[str] | None, *, make_task: Callable, add_options:
             raise ValueError(f"context={task.context} must be below seq_len={args.seq_len}")
         # --epochs is turned into steps once the data is known; validate the rest with a placeholder.
         config = _config(args, defaults, steps=args.steps or defaults["steps"])
+        if args.data_parallel > 1:
+            from jaxspec.sharding import make_mesh
+
+            from .loop import check_data_parallel
+
+            check_data_parallel(make_mesh(data=args.data_parallel), config.batch_size)
     except ValueError as e:
         parser.error(str(e))
     _enable_compilation_cache()
@@ -260,8 +269,14 @@ def _train(lm, task: HeadTask, readout, train_prompts, data_dir: Path, settings,
     print(f"training data: {data.summary()}; {batches.num_windows} windows, {batches.steps_per_epoch} steps per "
           f"epoch, {config.steps} steps")
     try:
+        mesh = None
+        if args.data_parallel > 1:
+            from jaxspec.sharding import make_mesh
+
+            mesh = make_mesh(data=args.data_parallel)
         result = train(task, lm.config, readout, batches, config, out, restart=args.restart,
-                       progress=not args.no_progress, run_identity={"model": lm.name, "data": data.manifest["key"]})
+                       progress=not args.no_progress, run_identity={"model": lm.name, "data": data.manifest["key"]},
+                       mesh=mesh)
     except ValueError as e:  # checkpoints of a run with other settings
         parser.error(str(e))
     return result.head, result.step, {"train": config.identity(), "data": {"train": data.summary()}}, config

@@ -21,10 +21,13 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.heads import Readout
+from jaxspec.sharding import DATA, replicate
 
 from .batches import Batch, Batches
 from .evaluate import accumulate
@@ -107,8 +110,13 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def make_train_step(graphdef, task: HeadTask, tx: optax.GradientTransformation, seed: int):
-    """The jitted step (state, readout, batch) -> (state, metrics); the state's buffers are donated."""
+def make_train_step(graphdef, task: HeadTask, tx: optax.GradientTransformation, seed: int, mesh: Mesh | None = None):
+    """The jitted step (state, readout, batch) -> (state, metrics); the state's buffers are donated.
+
+    With a `mesh`, the batch comes split over its "data" axis (`place_batch`) and the state and readout
+    replicated (`replicate`): each device computes the loss and gradients of its rows, XLA adds the gradients
+    over "data" (an all-reduce), and every device applies the same update, so the state stays replicated.
+    """
 
     def step(state: TrainState, readout: Readout, batch: Batch):
         key = jax.random.fold_in(jax.random.key(seed), state.step)
@@ -121,7 +129,23 @@ def make_train_step(graphdef, task: HeadTask, tx: optax.GradientTransformation, 
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), metrics
 
-    return jax.jit(step, donate_argnums=0)
+    if mesh is None:
+        return jax.jit(step, donate_argnums=0)
+    whole = NamedSharding(mesh, P())
+    return jax.jit(step, donate_argnums=0, out_shardings=(whole, whole))
+
+
+def check_data_parallel(mesh: Mesh, batch_size: int) -> None:
+    """ValueError naming the data axis when it does not divide the batch."""
+    n = int(mesh.shape[DATA])
+    if batch_size % n:
+        raise ValueError(f"mesh axis {DATA!r} of size {n} does not divide batch_size={batch_size}: each device "
+                         f"trains on batch_size / {n} windows; use a multiple of {n}")
+
+
+def place_batch(batch: Batch, mesh: Mesh) -> Batch:
+    """A host batch split by rows over the mesh's "data" axis."""
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(DATA, *([None] * (x.ndim - 1))))), batch)
 
 
 class Checkpoints:
@@ -173,8 +197,13 @@ def _host(metrics: dict) -> dict:
 
 def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, config: TrainConfig,
           out_dir: str | Path, *, run_identity: dict | None = None, restart: bool = False,
-          stop_after: int | None = None, progress: bool = True) -> TrainResult:
+          stop_after: int | None = None, progress: bool = True, mesh: Mesh | None = None) -> TrainResult:
     """Train `task`'s head to `config.steps`, resuming from the latest checkpoint in `out_dir`/checkpoints.
+
+    With a `mesh` (`jaxspec.sharding.make_mesh(data=N)`), training is data parallel over its "data" axis: each
+    step's windows are split over the devices and the gradients added over them (`make_train_step`); losses and
+    parameters equal single-device training up to float summation order, and checkpoints are interchangeable
+    between runs with and without a mesh. ValueError when the data axis does not divide the batch size.
 
     `run_identity` (model, data) joins the config and the task's settings in what a checkpoint must match to
     be resumed; a mismatch is a ValueError naming the differences. `restart` deletes the checkpoints first.
@@ -185,10 +214,14 @@ def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, 
     ckpt_dir = out_dir / "checkpoints"
     if restart and ckpt_dir.exists():
         shutil.rmtree(ckpt_dir)
+    if mesh is not None:
+        check_data_parallel(mesh, config.batch_size)
     identity = {"config": config.identity(), "task": task.settings(), **(run_identity or {})}
     graphdef, params = nnx.split(task.new_head(cfg, config.seed))
     tx = make_optimizer(config)
     state = TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32))
+    if mesh is not None:  # before a restore: orbax restores into the shardings of the state it is given
+        state, readout = replicate((state, readout), mesh)
     checkpoints = Checkpoints(ckpt_dir, config.keep)
     resumed_from = checkpoints.latest_step()
     if resumed_from is not None:
@@ -198,7 +231,7 @@ def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, 
             checkpoints.close()
             raise ValueError(f"checkpoint {resumed_from} in {str(ckpt_dir)!r} belongs to a run with other settings "
                              f"({differ}, as (checkpoint, now)); use the same settings, or --restart to start over")
-    step_fn = make_train_step(graphdef, task, tx, config.seed)
+    step_fn = make_train_step(graphdef, task, tx, config.seed, mesh)
     start = int(state.step)
     end = config.steps if stop_after is None else min(config.steps, stop_after)
     history: list[dict] = []
@@ -215,7 +248,8 @@ def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, 
         with open(log_path, "a") as log:
             for s in range(start, end):
                 t0 = time.perf_counter()
-                state, metrics = step_fn(state, readout, batches.batch(s))
+                batch = batches.batch(s)
+                state, metrics = step_fn(state, readout, batch if mesh is None else place_batch(batch, mesh))
                 m = _host(metrics)  # waits for the step: the bar shows finished work
                 seconds = time.perf_counter() - t0
                 m.update(step=s + 1, seconds=round(seconds, 4))
