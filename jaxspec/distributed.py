@@ -29,6 +29,7 @@ import numpy as np
 from .config import SamplingParams
 from .generation import GenerateResult, generate, normalise_prompts, rng_seeds
 from .models.loading import LanguageModel
+from .rollouts import RolloutResult, rollout
 
 ENV_COORDINATOR = "JAXSPEC_COORDINATOR"  # host:port of process 0's coordinator service
 ENV_NUM_PROCESSES = "JAXSPEC_NUM_PROCESSES"
@@ -49,11 +50,14 @@ def _from_env(value, name: str, cast):
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+               process_id: int | None = None, *, shutdown_timeout_seconds: int = 300) -> None:
     """Join this process to a group of `num_processes` through the coordinator at `coordinator_address`
     ("host:port", served by process 0) as process `process_id`; arguments left out come from the environment
     (`scripts/launch.py` sets it). ValueError naming a missing or bad value; a second call is a no-op when it
-    names the same group."""
+    names the same group.
+
+    At exit every process waits for the others up to `shutdown_timeout_seconds`, then the group fails: raise it
+    when one process goes on working alone after the collective part (process 0 checking results, say)."""
     coordinator_address = _from_env(coordinator_address, ENV_COORDINATOR, str)
     num_processes = _from_env(num_processes, ENV_NUM_PROCESSES, int)
     process_id = _from_env(process_id, ENV_PROCESS_ID, int)
@@ -72,7 +76,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     # CPU devices of different processes exchange data through gloo; without it a cross-process collective fails.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+                               process_id=process_id, shutdown_timeout_seconds=shutdown_timeout_seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,29 +128,86 @@ def generate_data_parallel(lm: LanguageModel, prompts, *, rng=None,
     offset, total = int(counts[:me, 0].sum()), int(counts[:, 0].sum())
     local = generate(lm, ids, sampling=_global_seeds(sampling, rng, offset, len(ids), total), **generate_kwargs)
 
-    # Pad this process's rows to the largest process's count; texts travel as UTF-8 bytes.
-    most = int(counts[:, 0].max())
-    tokens = np.full((most, local.token_array.shape[1]), -1, np.int32)  # i32[most, N]
-    tokens[: len(ids)] = local.token_array
-    num = np.zeros((most,), np.int32)
-    num[: len(ids)] = local.num_tokens
-    reasons = np.zeros((most,), np.int32)
-    reasons[: len(ids)] = [FINISH_REASONS.index(r) for r in local.finish_reason]
-    encoded = [t.encode("utf-8") for t in local.text]
-    width = int(_allgather(np.asarray([max(map(len, encoded), default=0)], np.int64)).max())
-    text = np.zeros((most, max(width, 1)), np.uint8)  # u8[most, W]
-    text_len = np.zeros((most,), np.int32)
-    for i, e in enumerate(encoded):
-        text[i, : len(e)] = np.frombuffer(e, np.uint8)
-        text_len[i] = len(e)
-    g_tokens, g_num, g_reasons, g_text, g_text_len = (_allgather(x) for x in (tokens, num, reasons, text, text_len))
+    rows = _gather_rows(local.token_ids, local.text, local.finish_reason, counts[:, 0])
+    return GatheredResult(token_ids=rows["tokens"], text=rows["text"], finish_reason=rows["reason"],
+                          process_index=rows["process"], num_processes=jax.process_count(), local=local)
 
-    out_tokens, out_text, out_reasons, out_process = [], [], [], []
-    for p, n in enumerate(counts[:, 0].tolist()):
+
+def _padded(rows: Sequence[Sequence], most: int, dtype, fill) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged rows as one [most, width] array (width agreed across processes) and their lengths i32[most]."""
+    width = int(_allgather(np.asarray([max(map(len, rows), default=0)], np.int64)).max())
+    out = np.full((most, max(width, 1)), fill, dtype)
+    lengths = np.zeros((most,), np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+        lengths[i] = len(row)
+    return out, lengths
+
+
+def _gather_rows(tokens: Sequence[Sequence[int]], texts: Sequence[str], reasons: Sequence[str],
+                 row_counts: np.ndarray, logprobs: Sequence[Sequence[float]] | None = None) -> dict[str, list]:
+    """Every process's rows (tokens, text, finish reason, optionally log-probabilities) in process order, each
+    process's padded to the largest process's row count; texts travel as UTF-8 bytes."""
+    most = int(row_counts.max())
+    fields = {"tokens": _padded(tokens, most, np.int32, -1),
+              "text": _padded([np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts], most, np.uint8, 0),
+              "reason": _padded([[FINISH_REASONS.index(r)] for r in reasons], most, np.int32, 0)}
+    if logprobs is not None:
+        fields["logprobs"] = _padded(logprobs, most, np.float32, 0.0)
+    gathered = {name: (_allgather(values), _allgather(lengths)) for name, (values, lengths) in fields.items()}
+    decode = {"tokens": lambda row: row.tolist(), "text": lambda row: bytes(row).decode("utf-8"),
+              "reason": lambda row: FINISH_REASONS[int(row[0])], "logprobs": lambda row: row.tolist()}
+    out: dict[str, list] = {name: [] for name in gathered}
+    out["process"] = []
+    for p, n in enumerate(row_counts.tolist()):
         for i in range(n):
-            out_tokens.append(g_tokens[p, i, : g_num[p, i]].tolist())
-            out_text.append(bytes(g_text[p, i, : g_text_len[p, i]]).decode("utf-8"))
-            out_reasons.append(FINISH_REASONS[int(g_reasons[p, i])])
-            out_process.append(p)
-    return GatheredResult(token_ids=out_tokens, text=out_text, finish_reason=out_reasons, process_index=out_process,
-                          num_processes=jax.process_count(), local=local)
+            for name, (values, lengths) in gathered.items():
+                out[name].append(decode[name](values[p, i, : lengths[p, i]]))
+            out["process"].append(p)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredRollout:
+    """Every process's rollout samples, prompts in process order: `[p][g]` is sample g of global prompt p."""
+
+    token_ids: list[list[list[int]]]
+    text: list[list[str]]
+    finish_reason: list[list[str]]
+    logprobs: list[list[list[float]]] | None  # None when the rollout recorded none
+    process_index: list[int]  # per prompt, the process that sampled it
+    num_processes: int
+    local: RolloutResult  # this process's own rollout, with its stats and timeline
+
+
+def rollout_data_parallel(lm: LanguageModel, prompts, *, num_samples: int, seed: int = 0,
+                          **rollout_kwargs) -> GatheredRollout:
+    """`jaxspec.rollout` over this process's own `prompts`, then every process's samples gathered onto every
+    process (an RL rollout over a group of processes, each feeding its own prompts). Sample g of global prompt
+    p (prompts in process order) is seeded by (`seed`, p, g), as in one rollout over all prompts, so the split
+    does not change a sample. Every process must pass the same `num_samples`, `max_new_tokens` and `logprobs`."""
+    ids = normalise_prompts(lm, prompts)
+    settings = [len(ids), num_samples, rollout_kwargs.get("max_new_tokens", 0), int(rollout_kwargs.get("logprobs", 1))]
+    counts = _allgather(np.asarray(settings, np.int64))  # [P, 4]
+    for column, name in ((1, "num_samples"), (2, "max_new_tokens"), (3, "logprobs")):
+        if len(set(counts[:, column].tolist())) != 1:
+            raise ValueError(f"{name} differs between processes ({counts[:, column].tolist()}); every process must "
+                             "pass the same")
+    me = jax.process_index()
+    local = rollout(lm, ids, num_samples=num_samples, seed=seed, prompt_offset=int(counts[:me, 0].sum()),
+                    **rollout_kwargs)
+
+    def flat(x):
+        return [sample for group in x for sample in group]
+
+    rows = _gather_rows(flat(local.token_ids), flat(local.text), flat(local.finish_reason),
+                        counts[:, 0] * num_samples, None if local.logprobs is None else flat(local.logprobs))
+
+    def grouped(values: list) -> list[list]:
+        return [values[i: i + num_samples] for i in range(0, len(values), num_samples)]
+
+    return GatheredRollout(token_ids=grouped(rows["tokens"]), text=grouped(rows["text"]),
+                           finish_reason=grouped(rows["reason"]),
+                           logprobs=grouped(rows["logprobs"]) if "logprobs" in rows else None,
+                           process_index=rows["process"][::num_samples], num_processes=jax.process_count(),
+                           local=local)

@@ -46,22 +46,24 @@ class RolloutInputs:
 
 
 @functools.partial(jax.jit, static_argnames=("num_prompts", "num_samples"))
-def _sample_seeds(key: jax.Array, num_prompts: int, num_samples: int) -> jax.Array:
-    p = jnp.arange(num_prompts, dtype=jnp.uint32)
+def _sample_seeds(key: jax.Array, num_prompts: int, num_samples: int, offset: jax.Array) -> jax.Array:
+    p = offset.astype(jnp.uint32) + jnp.arange(num_prompts, dtype=jnp.uint32)
     g = jnp.arange(num_samples, dtype=jnp.uint32)
     bits = jax.vmap(jax.vmap(lambda i, j: jax.random.bits(jax.random.fold_in(jax.random.fold_in(key, i), j), (),
                                                           jnp.uint32), (None, 0)), (0, None))
     return bits(p, g)
 
 
-def sample_seeds(seed: int, num_prompts: int, num_samples: int) -> np.ndarray:
-    """u32[P, G]: the seed of sample g of prompt p, `bits(fold_in(fold_in(key(seed), p), g))`.
+def sample_seeds(seed: int, num_prompts: int, num_samples: int, offset: int = 0) -> np.ndarray:
+    """u32[P, G]: the seed of sample g of prompt p, `bits(fold_in(fold_in(key(seed), offset + p), g))` (a nonzero
+    `offset`: these prompts are prompts offset.. of a larger rollout, as one process's share of it).
 
     A sample's tokens are keyed by its seed and each token's position only, so they do not depend on the
     batch, its order, compaction or the speculation method: pass these seeds to `jaxspec.generate` (one row
     per sample) and it samples the same tokens.
     """
-    return np.asarray(_sample_seeds(jax.random.key(seed), num_prompts=num_prompts, num_samples=num_samples))
+    return np.asarray(_sample_seeds(jax.random.key(seed), num_prompts=num_prompts, num_samples=num_samples,
+                                    offset=jnp.asarray(offset, jnp.uint32)))
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -146,7 +148,7 @@ def _describe(x) -> str:
 
 
 def validate(lm: LanguageModel, prompts, *, num_samples, max_new_tokens, sampling, spec, params, references,
-             logprobs, logprobs_mode, seed, stop_token_ids, ignore_eos) -> RolloutInputs:
+             logprobs, logprobs_mode, seed, stop_token_ids, ignore_eos, prompt_offset=0) -> RolloutInputs:
     """Every argument checked, in the order of the signature, and normalised."""
     if isinstance(prompts, (list, tuple)) and len(prompts) == 0:
         raise ValueError("prompts=[] must hold at least one prompt")
@@ -172,7 +174,8 @@ def validate(lm: LanguageModel, prompts, *, num_samples, max_new_tokens, samplin
         if len(p) + max_new_tokens > limit:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                              f"{len(p) + max_new_tokens} positions, more than the context length {limit}")
-    seeds = sample_seeds(int(seed), len(ids), num_samples).reshape(-1)  # u32[P * G]
+    prompt_offset = _check_int("prompt_offset", prompt_offset, 0)
+    seeds = sample_seeds(int(seed), len(ids), num_samples, prompt_offset).reshape(-1)  # u32[P * G]
     rows = SamplingParams.stack([s for s in per_prompt for _ in range(num_samples)])
     rows = rows.replace(seed=jnp.asarray(seeds))
     stops = _stop_ids(lm, len(ids), stop_token_ids, ignore_eos)  # i32[P, M]
@@ -183,7 +186,7 @@ def validate(lm: LanguageModel, prompts, *, num_samples, max_new_tokens, samplin
 
 def available_memory() -> int:
     """Bytes the device can hold: its allocator's limit where it reports one (GPUs), else the host's memory."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # a process can read only its own devices
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -62,7 +62,7 @@ def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int
             logprobs_mode: str = "sampling", seed: int = 0, stop_token_ids=(), ignore_eos: bool = False,
             compaction: bool = True, speculation: str = "adaptive",
             chunk_steps: int = 16, group_capacity: int | None = None, shared_prefill: bool = True,
-            attention_impl: str | None = None) -> RolloutResult:
+            attention_impl: str | None = None, prompt_offset: int = 0) -> RolloutResult:
     """Sample `num_samples` completions of each prompt (an RL rollout) and return them with their
     log-probabilities and the rollout's timeline.
 
@@ -78,13 +78,15 @@ def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int
     or "off". chunk_steps: decode steps between host visits. group_capacity (group_sam): the most tokens one
     group's automaton holds (default: all of them); a full automaton stops drafting, decoding goes on.
     shared_prefill: run each prompt through the target once for its G samples (False: once per sample, to
-    measure what sharing saves).
+    measure what sharing saves). prompt_offset: these prompts are prompts prompt_offset.. of a larger rollout
+    (one process's share, `jaxspec.distributed.rollout_data_parallel`): their samples take those prompts' seeds.
 
     Bad input raises a ValueError naming the value.
     """
     inputs = validate(lm, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, sampling=sampling,
                       spec=spec, params=params, references=references, logprobs=logprobs,
-                      logprobs_mode=logprobs_mode, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+                      logprobs_mode=logprobs_mode, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                      prompt_offset=prompt_offset)
     for name, flag in (("compaction", compaction), ("shared_prefill", shared_prefill)):
         if not isinstance(flag, (bool, np.bool_)):
             raise ValueError(f"{name}={flag!r} must be True or False")
