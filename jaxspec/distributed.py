@@ -1,4 +1,4 @@
-"""Several processes (one per host, or several on one host): `jax.distributed` and data-parallel generation.
+"""Several processes (one per host, or several on one host): `jax.distributed`, data-parallel generation and rollouts.
 
 `initialize()` joins this process to a group through `jax.distributed.initialize`, reading the coordinator's
 address, the group size and this process's index from arguments or from the environment `scripts/launch.py`
@@ -10,7 +10,8 @@ runs its own jitted decode loop on its own devices, and the processes then excha
 collectives (`multihost_utils.process_allgather`), so each one returns every prompt's output in process order.
 Data parallelism needs no collective inside the loop: each process's `lax.while_loop` ends when its own rows
 end, and a slow process never holds the others' steps back. Within a process, the model may itself span
-devices (`load_model(mesh=...)`, `jaxspec.sharding`).
+devices (`load_model(mesh=...)`, `jaxspec.sharding`). `rollout_data_parallel` does the same for an RL rollout
+(`jaxspec.rollout`): a prompt's samples stay on one process, so group speculation needs nothing across them.
 
 Seeds are global: row j of process p samples with the seed row `offset_p + j` of one call over every process's
 prompts concatenated would get from `rng` (`jaxspec.generation.rng_seeds`), so a data-parallel run reproduces
