@@ -158,12 +158,7 @@ def main(kind: str, argv: list[str] | None, *, make_task: Callable, add_options:
             raise ValueError(f"context={task.context} must be below seq_len={args.seq_len}")
         # --epochs is turned into steps once the data is known; validate the rest with a placeholder.
         config = _config(args, defaults, steps=args.steps or defaults["steps"])
-        if args.data_parallel > 1:
-            from jaxspec.sharding import make_mesh
-
-            from .loop import check_data_parallel
-
-            check_data_parallel(make_mesh(data=args.data_parallel), config.batch_size)
+        data_parallel_mesh(args.data_parallel, config.batch_size)  # before minutes of loading and generating
     except ValueError as e:
         parser.error(str(e))
     _enable_compilation_cache()
@@ -176,6 +171,28 @@ def _config(args, defaults: dict, steps: int) -> TrainConfig:
                        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, clip=args.clip,
                        save_every=args.save_every, keep=args.keep, seed=args.seed,
                        include_prompt=args.include_prompt)
+
+
+def data_parallel_mesh(n: int, batch_size: int):
+    """The mesh of `--data-parallel n`: `make_mesh(data=n, model=1)` (pure data parallelism), or None for n = 1
+    (the single-device program). ValueError naming n and the devices there are when there are fewer than n, and
+    naming the data axis and the batch size when n does not divide it."""
+    if n == 1:
+        return None
+    import jax
+
+    from jaxspec.sharding import make_mesh
+
+    from .loop import check_data_parallel
+
+    have = len(jax.devices())
+    if n > have:
+        raise ValueError(f"--data-parallel {n} needs {n} devices; there are {have} ({jax.default_backend()}); "
+                         f"on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} in the environment "
+                         f"(set before jax starts) makes {n} host devices")
+    mesh = make_mesh(data=n, model=1)
+    check_data_parallel(mesh, batch_size)
+    return mesh
 
 
 def _enable_compilation_cache():
@@ -269,11 +286,7 @@ def _train(lm, task: HeadTask, readout, train_prompts, data_dir: Path, settings,
     print(f"training data: {data.summary()}; {batches.num_windows} windows, {batches.steps_per_epoch} steps per "
           f"epoch, {config.steps} steps")
     try:
-        mesh = None
-        if args.data_parallel > 1:
-            from jaxspec.sharding import make_mesh
-
-            mesh = make_mesh(data=args.data_parallel)
+        mesh = data_parallel_mesh(args.data_parallel, config.batch_size)  # --epochs kept the checked batch size
         result = train(task, lm.config, readout, batches, config, out, restart=args.restart,
                        progress=not args.no_progress, run_identity={"model": lm.name, "data": data.manifest["key"]},
                        mesh=mesh)

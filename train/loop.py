@@ -116,6 +116,8 @@ def make_train_step(graphdef, task: HeadTask, tx: optax.GradientTransformation, 
     With a `mesh`, the batch comes split over its "data" axis (`place_batch`) and the state and readout
     replicated (`replicate`): each device computes the loss and gradients of its rows, XLA adds the gradients
     over "data" (an all-reduce), and every device applies the same update, so the state stays replicated.
+    The step then takes exactly those shardings (a committed argument placed otherwise is an error, not a
+    silent copy). Without a mesh it is the plain single-device jit.
     """
 
     def step(state: TrainState, readout: Readout, batch: Batch):
@@ -129,14 +131,32 @@ def make_train_step(graphdef, task: HeadTask, tx: optax.GradientTransformation, 
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), metrics
 
-    if mesh is None:
+    if mesh is None:  # the single-device program, exactly as before meshes existed
         return jax.jit(step, donate_argnums=0)
-    whole = NamedSharding(mesh, P())
-    return jax.jit(step, donate_argnums=0, out_shardings=(whole, whole))
+    whole, rows = replicated(mesh), row_sharding(mesh)
+    # Explicit shardings on both sides: the gradient of the (global mean) loss over rows split on "data" is a
+    # sum of per-device partial gradients, which GSPMD turns into one all-reduce; pinning the new state to
+    # `whole` makes every device apply that same update, so the donated state buffers are reused in place.
+    return jax.jit(step, donate_argnums=0, in_shardings=(whole, whole, rows), out_shardings=(whole, whole))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device of the mesh holds the whole array (head state, optimizer state, readout, metrics)."""
+    return NamedSharding(mesh, P())
+
+
+def row_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading dimension (rows) over "data", the rest whole: a prefix spec, so it fits every `Batch` leaf
+    (tokens [B, W], features [B, W, D], ...); replicated over any other mesh axis ("model")."""
+    return NamedSharding(mesh, P(DATA))
 
 
 def check_data_parallel(mesh: Mesh, batch_size: int) -> None:
-    """ValueError naming the data axis when it does not divide the batch."""
+    """ValueError naming the data axis, its size and the batch size when the axis does not divide the batch (or
+    the mesh has no "data" axis). Reads only `mesh.shape`, so a `jax.sharding.AbstractMesh` works too."""
+    if DATA not in mesh.shape:
+        raise ValueError(f"mesh axes {dict(mesh.shape)} have no {DATA!r} axis to split batches over; build the mesh "
+                         f"with jaxspec.sharding.make_mesh(data=N)")
     n = int(mesh.shape[DATA])
     if batch_size % n:
         raise ValueError(f"mesh axis {DATA!r} of size {n} does not divide batch_size={batch_size}: each device "
@@ -144,8 +164,10 @@ def check_data_parallel(mesh: Mesh, batch_size: int) -> None:
 
 
 def place_batch(batch: Batch, mesh: Mesh) -> Batch:
-    """A host batch split by rows over the mesh's "data" axis."""
-    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(DATA, *([None] * (x.ndim - 1))))), batch)
+    """A host batch split by rows over the mesh's "data" axis: each device gets B / data rows of every leaf
+    (B = batch_size), a copy of them on every device of its "model" row."""
+    rows = row_sharding(mesh)
+    return jax.tree.map(lambda x: jax.device_put(x, rows), batch)
 
 
 class Checkpoints:
