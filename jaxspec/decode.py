@@ -24,7 +24,7 @@ from flax import nnx
 
 from . import constrained, cost, sharding
 from . import logprobs as lp
-from .cache import KVCache
+from .cache import KVCache, write_new
 from .config import SamplingParams
 from .penalties import TokenCounts, penalize_scored
 from .proposers.base import ChainProposer, Committed, Context, Draft, Proposer
@@ -292,13 +292,13 @@ def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, sampling: Sam
 
 def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft: jax.Array,
                  sampling: SamplingParams, limits: RowLimits, k: int, attention_impl: str,
-                 want_features: bool) -> Verified:
+                 want_features: bool, defer: bool = False) -> Verified:
     """One target forward over each row's newest token plus its first `width - 1` drafts, then rejection
-    sampling along the chain."""
+    sampling along the chain. With `defer` the Verified's cache holds only the new K/V (`_forward`)."""
     cache = state.cache
     fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # i32[B, width]
     positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
-    out, cache = model(fed, positions, cache, attention_impl=attention_impl)
+    out, written = _forward(model, fed, positions, cache, None, attention_impl, defer)
     logits = penalize_scored(out.logits, state.counts, fed, None, sampling)  # f32[B, width, V]
     logits = constrained.constrain_scored(logits, state.constraint, fed, None, limits.stop_ids)
     probs = None if draft.probs is None else draft.probs[:, : width - 1]
@@ -307,12 +307,21 @@ def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft:
     tokens, num = rejection_sample(keys, logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
                                    positions=cache.lengths + 1)
     scored = _logprobs_of(state, lambda: (out.logits, logits), tokens, sampling, k)
-    return _verified(tokens, num, cache, out.hidden if want_features else None, scored, k)
+    return _verified(tokens, num, written, out.hidden if want_features else None, scored, k)
+
+
+def _forward(model, fed: jax.Array, positions: jax.Array, cache: KVCache, tree_mask: jax.Array | None,
+             attention_impl: str, defer: bool):
+    """The target forward of a verify step: (output, the cache with the fed tokens' K/V written), or with
+    `defer` (output, a cache of `width` slots holding just their K/V), written by `_write_deferred`."""
+    if defer:
+        return model(fed, positions, cache, tree_mask=tree_mask, attention_impl=attention_impl, write_cache=False)
+    return model(fed, positions, cache, tree_mask=tree_mask, attention_impl=attention_impl)
 
 
 def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: jax.Array, node_depth: jax.Array,
                 num_nodes: jax.Array, max_draft: jax.Array, sampling: SamplingParams, limits: RowLimits, k: int,
-                max_depth: int, attention_impl: str, want_features: bool) -> Verified:
+                max_depth: int, attention_impl: str, want_features: bool, defer: bool = False) -> Verified:
     """The tree version: one forward over the root and the first `width - 1` draft nodes under their ancestor
     mask, verification along the tree, and the accepted path's K/V moved to contiguous slots. A node whose
     token was out of the vocabulary (`in_vocab` bool[B, K] False), or under such a node, is never accepted.
@@ -326,7 +335,7 @@ def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: j
     fed = jnp.concatenate([state.last_tokens[:, None], tokens], axis=1)  # i32[B, width]: root, then the nodes
     depth = node_depth[:, :width]  # i32[B, width]: a parent precedes its child, so a prefix keeps its depths
     mask = tree_ancestor_mask(parents)  # bool[B, width, width]
-    out, cache = model(fed, cache.lengths[:, None] + depth, cache, tree_mask=mask, attention_impl=attention_impl)
+    out, written = _forward(model, fed, cache.lengths[:, None] + depth, cache, mask, attention_impl, defer)
     logits = penalize_scored(out.logits, state.counts, fed, mask, sampling)  # f32[B, width, V]
     logits = constrained.constrain_scored(logits, state.constraint, fed, parents, limits.stop_ids)
     # Nodes past the row's node count, deeper than it may still emit, or on a path through an out-of-vocabulary
@@ -337,13 +346,14 @@ def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: j
     keys = jax.vmap(jax.random.key)(sampling.seed)
     path, out_tokens, num = verify_tree(keys, logits, tokens, parents, valid, probs, sampling,
                                         positions=cache.lengths + 1, max_depth=min(max_depth, n))
-    cache = cache.replace(k=tuple(gather_path(b, cache.lengths, path) for b in cache.k),
-                          v=tuple(gather_path(b, cache.lengths, path) for b in cache.v))
+    # Written slots start at the written cache's lengths: the rows' lengths, or 0 for deferred K/V.
+    written = written.replace(k=tuple(gather_path(b, written.lengths, path) for b in written.k),
+                              v=tuple(gather_path(b, written.lengths, path) for b in written.v))
     features = gather_nodes(out.hidden, path) if want_features else None
     # Output token j was drawn from the logits of path node j (the root first).
     scored = _logprobs_of(state, lambda: (gather_nodes(out.logits, path), gather_nodes(logits, path)), out_tokens,
                           sampling, k)
-    return _verified(out_tokens, num, cache, features, scored, k)
+    return _verified(out_tokens, num, written, features, scored, k)
 
 
 def _replace_out_of_vocab(draft: Draft, vocab: int) -> tuple[Draft, jax.Array]:
@@ -394,17 +404,48 @@ def verify(model, proposer: Proposer, state: DecodeState, draft: Draft, num_draf
             raise ValueError("verify needs limits= when the state decodes under constraints")
         limits = RowLimits(max_new_tokens=jnp.ones_like(num_draft), stop_ids=jnp.full((num_draft.shape[0], 1), -1))
 
+    # Several widths: the forwards leave the cache unwritten and one write after the switch adds their K/V,
+    # where the model can (`write_cache=False`); a branch that updated the cache would make XLA copy it whole.
+    defer = len(widths) > 1 and attention_impl == "xla" and getattr(model, "defers_cache_writes", False)
+    widest = max(widths)
+
     def branch(width):
         n = jnp.minimum(num_draft, width - 1)
         if node_depth is not None:
-            return lambda: _score_tree(model, width, state, draft, in_vocab, node_depth, n, max_draft, sampling,
-                                       limits, k, proposer.max_depth, attention_impl, proposer.needs_features)
-        return lambda: _score_chain(model, width, state, draft, n, sampling, limits, k, attention_impl,
-                                    proposer.needs_features)
+            def run():
+                return _score_tree(model, width, state, draft, in_vocab, node_depth, n, max_draft, sampling,
+                                   limits, k, proposer.max_depth, attention_impl, proposer.needs_features, defer)
+        else:
+            def run():
+                return _score_chain(model, width, state, draft, n, sampling, limits, k, attention_impl,
+                                    proposer.needs_features, defer)
+        if not defer:
+            return run
+        return lambda: _pad_slots(run(), widest)
 
     if len(widths) == 1:
         return branch(widths[0])()
-    return jax.lax.switch(choice, [branch(w) for w in widths])
+    verified = jax.lax.switch(choice, [branch(w) for w in widths])
+    return _write_deferred(verified, state.cache) if defer else verified
+
+
+def _pad_slots(verified: Verified, widest: int) -> Verified:
+    """A deferred Verified's K/V slots [B, Hkv, width, hd] padded to `widest`, so every branch agrees. The
+    padding lands past each row's new length, in slots no row reads before writing them again."""
+    def pad(b):
+        return jnp.pad(b, ((0, 0), (0, 0), (0, widest - b.shape[2]), (0, 0)))
+
+    written = verified.cache
+    return verified.replace(cache=written.replace(k=tuple(map(pad, written.k)), v=tuple(map(pad, written.v))))
+
+
+def _write_deferred(verified: Verified, cache: KVCache) -> Verified:
+    """The Verified with its K/V slots written into `cache` at each row's length (outside any conditional, so in
+    place; the widest width fits there, as every branch's forward needs)."""
+    slots = verified.cache
+    return verified.replace(cache=cache.replace(
+        k=tuple(write_new(b, n, cache.lengths) for b, n in zip(cache.k, slots.k)),
+        v=tuple(write_new(b, n, cache.lengths) for b, n in zip(cache.v, slots.v))))
 
 
 def _width_choice(widths: tuple[int, ...], num_draft: jax.Array, state: DecodeState, is_tree: bool,

@@ -83,8 +83,9 @@ class Attention(nnx.Module):
         self.blocks = 1
 
     def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None):
-        """xt [D, B*T] feature-major; returns the attention block's output in the same layout."""
+                 cached_slots=None, write_cache=True):
+        """xt [D, B*T] feature-major; returns the attention block's output in the same layout and the caches with
+        the new K/V written, or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd]."""
         cfg = self.cfg
         B, T = cos.shape[:2]
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -100,6 +101,9 @@ class Attention(nnx.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
         v = v.transpose(0, 2, 1, 3)
+        if not write_cache:
+            out = _attention_beside_cache(q, k_cache, v_cache, k, v, lengths, tree_mask, cfg)
+            return project(self.o[...], out.reshape(B * T, H * hd).T, self.matmul), k, v
         k_cache, v_cache = write_new(k_cache, k, lengths), write_new(v_cache, v, lengths)
         if attention_impl == "pallas":
             from jaxspec.kernels.verify_attention import verify_attention
@@ -129,6 +133,40 @@ def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
     # and this model only ever writes finite values into the cache.
     out = jnp.einsum("bkms,bksd->bkmd", probs, v_cache)
     return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+
+
+def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, cfg: ModelConfig):
+    """q [B,T,H,hd] against the committed slots of an unwritten cache [B,Hkv,S,hd] (those below lengths i32[B])
+    and the T new tokens' own k_new, v_new [B,Hkv,T,hd] (causal among themselves, or as `tree_mask` bool[B,T,T]
+    says) -> [B,T,H,hd]: one softmax over both score blocks, the cache only read.
+
+    The same attention as writing the new K/V at slots lengths.. and reading the cache (`_bucketed_attention`),
+    up to float summation order. The cache part reads the smallest of `read_buckets(S)` holding every row.
+    """
+    B, T, H, hd = q.shape
+    Hkv, G = cfg.num_kv_heads, cfg.q_per_kv
+    S = k_cache.shape[2]
+    q = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)  # as in _xla_attention
+    among_new = jnp.tril(jnp.ones((1, T, T), bool)) if tree_mask is None else tree_mask  # bool[B or 1, T, T]
+    new_scores = jnp.einsum("bkmd,bktd->bkmt", q, k_new, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    new_scores = jnp.where(among_new[:, None, None], new_scores.reshape(B, Hkv, G, T, T), _MASKED)
+
+    def attend(slots: int):
+        k_old, v_old = k_cache[:, :, :slots], v_cache[:, :, :slots]
+        scores = jnp.einsum("bkmd,bksd->bkms", q, k_old, preferred_element_type=jnp.float32) * (hd ** -0.5)
+        committed = jnp.arange(slots)[None, :] < lengths[:, None]  # bool[B, slots]
+        scores = jnp.where(committed[:, None, None, None], scores.reshape(B, Hkv, G, T, slots), _MASKED)
+        probs = jax.nn.softmax(jnp.concatenate([scores, new_scores], axis=-1), axis=-1).astype(v_old.dtype)
+        probs = probs.reshape(B, Hkv, G * T, slots + T)
+        out = (jnp.einsum("bkms,bksd->bkmd", probs[..., :slots], v_old)
+               + jnp.einsum("bkmt,bktd->bkmd", probs[..., slots:], v_new.astype(v_old.dtype)))
+        return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+
+    sizes = read_buckets(S)
+    if len(sizes) == 1:
+        return attend(S)
+    which = jnp.sum(jnp.asarray(sizes[:-1]) < jnp.max(lengths))  # the first bucket holding every committed slot
+    return jax.lax.switch(which, [functools.partial(attend, n) for n in sizes])
 
 
 _MIN_READ_SLOTS = 256  # the smallest cache prefix a decode step reads; larger ones double from here
@@ -196,9 +234,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs, matmul)
 
     def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None):
+                 cached_slots=None, write_cache=True):
         attn_out, k_cache, v_cache = self.attn(self.input_norm(xt), cos, sin, k_cache, v_cache, lengths,
-                                               visible, attention_impl, tree_mask, cached_slots)
+                                               visible, attention_impl, tree_mask, cached_slots, write_cache)
         xt = xt + attn_out
         xt = xt + self.mlp(self.post_attention_norm(xt))
         return xt, k_cache, v_cache
@@ -224,6 +262,9 @@ def visibility_mask(lengths: jax.Array, num_new: int, max_len: int,
 
 class Llama(nnx.Module):
     """Decoder-only transformer. Parameters live in NNX state; jit over `nnx.split(model)`, never closure."""
+
+    # A forward can leave the cache unwritten and return the new tokens' K/V instead (`write_cache=False`).
+    defers_cache_writes = True
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmul: MatmulImpl | None = None):
         self.cfg = cfg
@@ -267,11 +308,21 @@ class Llama(nnx.Module):
         return_layers: tuple[int, ...] = (),  # decoder layers whose outputs to return (EAGLE-3 features)
         attention_impl: AttentionImpl = "xla",
         cached_slots: int | None = None,  # static bound on cache.lengths (0: an empty cache); None: any
+        write_cache: bool = True,  # False: leave the cache as it is, return the new K/V (below)
     ) -> tuple[ModelOutput, KVCache]:
         """Returns the output and the cache with the new K/V written; `cache.lengths` is not advanced.
 
         `cached_slots=0` tells a prefill that the cache holds nothing yet: attention reads only the new tokens'
-        slots. With None, each forward reads the smallest power-of-two prefix of the cache holding every row."""
+        slots. With None, each forward reads the smallest power-of-two prefix of the cache holding every row.
+
+        `write_cache=False` (with attention_impl "xla") writes nothing: attention reads the committed slots and
+        the new tokens' K/V beside them, and the second value is a cache of T slots holding just those K/V
+        (lengths 0), for the caller to write at `cache.lengths` (`jaxspec.cache.write_new`). A caller that
+        picks one of several forward widths with `lax.switch` writes after the switch, where XLA updates the
+        buffers in place; a branch that updates them makes XLA copy every buffer, whole, each step."""
+        if not write_cache and (attention_impl != "xla" or cached_slots is not None):
+            raise ValueError(f"write_cache=False needs attention_impl='xla' and cached_slots=None, got "
+                             f"{attention_impl!r} and {cached_slots!r}")
         B, T = tokens.shape
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
         cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
@@ -286,7 +337,7 @@ class Llama(nnx.Module):
         for i, layer in enumerate(self.layers):
             # visible=None: the target's mask is built per cache bucket (`_bucketed_attention`).
             xt, ks[i], vs[i] = layer(xt, cos, sin, ks[i], vs[i], cache.lengths, None, attention_impl, tree_mask,
-                                     cached_slots)
+                                     cached_slots, write_cache)
             if i in return_layers:
                 saved.append(rows(xt))
         hidden = rows(self.norm(xt))
@@ -295,6 +346,8 @@ class Llama(nnx.Module):
             picked = hidden if logits_at is None else jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
             logits = self.logits(picked)
         new_cache = cache.replace(k=tuple(ks), v=tuple(vs))
+        if not write_cache:  # ks, vs hold the new tokens' K/V [B, Hkv, T, hd] from slot 0
+            new_cache = new_cache.replace(lengths=jnp.zeros_like(cache.lengths))
         return ModelOutput(logits=logits, hidden=hidden, layer_hidden=tuple(saved)), new_cache
 
 

@@ -8,6 +8,7 @@ buffer per step), which is what makes a step's cost follow the tokens used rathe
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -18,9 +19,12 @@ from flax import nnx
 
 import jaxspec
 from jaxspec import SamplingParams
-from jaxspec.decode import RowLimits, decode, prefill
+from jaxspec.cache import write_new
+from jaxspec.decode import NoProposer, RowLimits, decode, prefill
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import Llama, read_buckets
+from jaxspec.proposers.base import Committed, Context, Draft
+from jaxspec.proposers.ngram import NgramProposer
 from jaxspec.tree import tree_ancestor_mask
 
 CFG = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
@@ -79,6 +83,33 @@ def test_bucketed_read_equals_whole_cache_read(model, lengths, tree):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("lengths", [[100, 600], [0, 20], [700, 1000]])
+@pytest.mark.parametrize("tree", [False, True])
+def test_forward_that_defers_its_writes_equals_one_that_writes(model, lengths, tree):
+    """write_cache=False leaves the cache as it was and returns the new tokens' K/V from slot 0; written at the
+    rows' lengths they give the cache, and the attention beside the cache the logits, of a forward that writes
+    (rows in different buckets, an empty row, chains and trees)."""
+    cache = _filled_cache(model, lengths) if max(lengths) else model.new_cache(len(lengths), S)
+    batch, t = len(lengths), 5
+    new = jnp.asarray(np.random.default_rng(3).integers(0, CFG.vocab_size, (batch, t)), jnp.int32)
+    if tree:  # root; two children of the root; a child of each
+        mask = tree_ancestor_mask(jnp.broadcast_to(jnp.asarray([0, 0, 1, 2], jnp.int32), (batch, t - 1)))
+        depth = jnp.asarray([0, 1, 1, 2, 2], jnp.int32)
+    else:
+        mask, depth = None, jnp.arange(t, dtype=jnp.int32)
+    positions = cache.lengths[:, None] + depth
+    out, written = jax.jit(lambda c: model(new, positions, c, tree_mask=mask))(cache)
+    deferred, slots = jax.jit(lambda c: model(new, positions, c, tree_mask=mask, write_cache=False))(cache)
+    np.testing.assert_allclose(np.asarray(deferred.logits), np.asarray(out.logits), rtol=1e-5, atol=1e-5)
+    assert (np.asarray(slots.lengths) == 0).all()
+    for a, b, old in zip(slots.k + slots.v, written.k + written.v, cache.k + cache.v):
+        assert a.shape == (batch, CFG.num_kv_heads, t, CFG.head_dim)
+        np.testing.assert_allclose(np.asarray(write_new(old, a, cache.lengths)), np.asarray(b), rtol=1e-6,
+                                   atol=1e-6)
+    with pytest.raises(ValueError, match="write_cache=False needs attention_impl='xla'"):
+        model(new, positions, cache, write_cache=False, cached_slots=0)
+
+
 def test_incremental_decode_equals_one_forward(model):
     """Teacher forcing across a bucket boundary: logits of tokens fed ten at a time past slot 256 equal the
     logits of one forward over the whole sequence."""
@@ -96,19 +127,50 @@ def test_incremental_decode_equals_one_forward(model):
                                    atol=2e-4)
 
 
+@dataclasses.dataclass(frozen=True)
+class _StaticTree:
+    """Drafts the same 4-node tree every step (root; two children; a grandchild under each): a tree proposer
+    for compiling the tree verification path."""
+
+    num_speculative_tokens: int = 4
+    max_depth: int = 2
+    needs_features = False
+
+    def init(self, params, ctx: Context):
+        return ()
+
+    def propose(self, params, pstate, ctx: Context, keys):
+        batch = ctx.history.shape[0]
+        tokens = jnp.broadcast_to(jnp.asarray([1, 2, 3, 4], jnp.int32), (batch, 4))
+        parents = jnp.broadcast_to(jnp.asarray([0, 0, 1, 2], jnp.int32), (batch, 4))
+        return Draft(tokens=tokens, num_draft=jnp.full((batch,), 4, jnp.int32), parents=parents), pstate
+
+    def update(self, params, pstate, ctx: Context, committed: Committed):
+        return pstate
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "tree"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_decode_loop_updates_the_cache_in_place(batch):
-    """The compiled decode loop copies no whole per-layer cache buffer: each step's K/V write is in place."""
+def test_decode_loop_updates_the_cache_in_place(batch, method):
+    """The compiled decode loop copies no whole per-layer cache buffer: each step's K/V write is in place, also
+    where a `lax.switch` picks among several verify widths (chain and tree): their forwards leave the cache
+    unwritten and one write follows the switch (a branch that wrote would make XLA copy every buffer)."""
     lm = jaxspec.LanguageModel.from_module(Llama(CFG, rngs=nnx.Rngs(0)), name="bucket-test")
     prompts = jnp.zeros((batch, 16), jnp.int32)
     sampling = SamplingParams().broadcast(batch)
     limits = RowLimits(max_new_tokens=jnp.full((batch,), 8, jnp.int32), stop_ids=jnp.full((batch, 1), -1, jnp.int32))
+    proposer, widths = NoProposer(), (1,)
+    if method == "ngram":
+        proposer, widths = NgramProposer(num_speculative_tokens=8), (1, 5, 9)
+    elif method == "tree":
+        proposer, widths = _StaticTree(), (1, 3, 5)
     state = prefill(lm.graphdef, lm.params, prompts, jnp.full((batch,), 5, jnp.int32), sampling, limits,
-                    cache_len=S, buffer_len=16)
-    hlo = decode.lower(lm.graphdef, lm.params, state, sampling, limits).compile().as_text()
+                    cache_len=S, buffer_len=16, proposer=proposer)
+    hlo = decode.lower(lm.graphdef, lm.params, state, sampling, limits, proposer=proposer,
+                       widths=widths).compile().as_text()
     buffer = re.escape(f"f32[{batch},{CFG.num_kv_heads},{S},{CFG.head_dim}]")
     copies = re.findall(rf"= {buffer}\S* copy\(", hlo)
     assert not copies, f"{len(copies)} copies of a whole cache buffer in the decode loop"
     # The loop still runs and commits tokens.
-    out = decode(lm.graphdef, lm.params, state, sampling, limits)
+    out = decode(lm.graphdef, lm.params, state, sampling, limits, proposer=proposer, widths=widths)
     assert int(out.history_len[0] - out.prompt_len[0]) == 8
