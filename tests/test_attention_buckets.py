@@ -23,7 +23,7 @@ from jaxspec.cache import write_new
 from jaxspec.decode import NoProposer, RowLimits, decode, prefill
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import Llama, read_buckets
-from jaxspec.proposers.base import Committed, Context, Draft
+from jaxspec.proposers.base import Context, Draft
 from jaxspec.proposers.ngram import NgramProposer
 from jaxspec.tree import tree_ancestor_mask
 
@@ -128,25 +128,17 @@ def test_incremental_decode_equals_one_forward(model):
 
 
 @dataclasses.dataclass(frozen=True)
-class _StaticTree:
+class _StaticTree(NoProposer):
     """Drafts the same 4-node tree every step (root; two children; a grandchild under each): a tree proposer
-    for compiling the tree verification path."""
+    for compiling the tree verification path (max_depth 4 bounds its depth of 2)."""
 
     num_speculative_tokens: int = 4
-    max_depth: int = 2
-    needs_features = False
-
-    def init(self, params, ctx: Context):
-        return ()
 
     def propose(self, params, pstate, ctx: Context, keys):
         batch = ctx.history.shape[0]
         tokens = jnp.broadcast_to(jnp.asarray([1, 2, 3, 4], jnp.int32), (batch, 4))
         parents = jnp.broadcast_to(jnp.asarray([0, 0, 1, 2], jnp.int32), (batch, 4))
         return Draft(tokens=tokens, num_draft=jnp.full((batch,), 4, jnp.int32), parents=parents), pstate
-
-    def update(self, params, pstate, ctx: Context, committed: Committed):
-        return pstate
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "tree"])
