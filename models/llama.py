@@ -162,10 +162,15 @@ def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mas
                + jnp.einsum("bkmt,bktd->bkmd", probs[..., slots:], v_new.astype(v_old.dtype)))
         return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
-    sizes = read_buckets(S)
+    return _in_read_bucket(attend, S, jnp.max(lengths))  # the committed slots only: the new K/V sit beside them
+
+
+def _in_read_bucket(attend, max_len: int, needed: jax.Array):
+    """`attend(slots)` for the smallest of `read_buckets(max_len)` holding `needed` i32[] slots (a lax.switch)."""
+    sizes = read_buckets(max_len)
     if len(sizes) == 1:
-        return attend(S)
-    which = jnp.sum(jnp.asarray(sizes[:-1]) < jnp.max(lengths))  # the first bucket holding every committed slot
+        return attend(max_len)
+    which = jnp.sum(jnp.asarray(sizes[:-1]) < needed)
     return jax.lax.switch(which, [functools.partial(attend, n) for n in sizes])
 
 
@@ -199,11 +204,7 @@ def _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfi
 
     if cached_slots is not None:
         return attend(min(S, cached_slots + T))
-    sizes = read_buckets(S)
-    if len(sizes) == 1:
-        return attend(S)
-    which = jnp.sum(jnp.asarray(sizes[:-1]) < jnp.max(lengths) + T)  # the first bucket holding every row
-    return jax.lax.switch(which, [functools.partial(attend, n) for n in sizes])
+    return _in_read_bucket(attend, S, jnp.max(lengths) + T)  # every row and its new tokens
 
 
 class MLP(nnx.Module):
