@@ -160,6 +160,24 @@ def test_resync_after_substitution_deletion_and_insertion():
     np.testing.assert_array_equal(np.asarray(pstate.accepted) + np.asarray(pstate.rejected), drafted)
 
 
+def test_first_drafts_are_probes():
+    """K=8, probe=2: the first draft from a prediction, and the first after each re-sync, takes 2 tokens; once a
+    draft is accepted whole, drafts take 8. In an unrelated output a 4-gram shared with the prediction by chance
+    re-syncs the row, and the false draft it makes is the 2-token probe, not 8 tokens."""
+    k8 = PredictionProposer(8, max_prediction_len=L, probe=2)
+    substitution = P[:9] + [90] + P[10:]
+    chance = [99, 98, 10, 11, 12, 13, 97, 96, 95, 94, 93, 92]
+    trace, pstate, drafted, accepted = simulate(k8, [[1, 2, 3]] * 2, [substitution, chance], [P, P])
+    edited, unrelated = ([step[b] for step in trace] for b in range(2))
+    # The edit: 90 at index 9 ends the second draft's run, then "P10 P11" re-syncs to index 12.
+    assert edited[:6] == [P[1:3], P[4:12], [], [], P[12:14], P[15:23]]
+    # The trusted start probes P's start (rejected outright: re-sync now needs 4 tokens); "10 11 12 13" re-syncs.
+    assert unrelated[0] == P[0:2] and unrelated[5] == P[4:6] and not any(unrelated[6:])
+    np.testing.assert_array_equal(pstate.rejected, [3, 4])
+    np.testing.assert_array_equal(pstate.accepted, accepted)
+    np.testing.assert_array_equal(np.asarray(pstate.accepted) + np.asarray(pstate.rejected), drafted)
+
+
 def test_resync_takes_the_longest_ngram_first_at_or_after_the_cursor():
     pred = [1, 2, 3, 4, 7, 3, 4, 9, 3, 4, 5, 6]
     # Row 0, cursor 2: "7 3 4" (index 4) beats the earlier bigram "3 4" at index 2 -> drafts from 7.
@@ -268,6 +286,8 @@ def test_settings_and_inputs_are_checked():
         PredictionProposer(4, max_prediction_len=0)
     with pytest.raises(ValueError, match="ngram=1 must be an integer >= min_match=2"):
         PredictionProposer(4, max_prediction_len=8, ngram=1)
+    with pytest.raises(ValueError, match="probe=0 must be an integer >= 1"):
+        PredictionProposer(4, max_prediction_len=8, probe=0)
     with pytest.raises(ValueError, match=r"inner has num_speculative_tokens=5; it must be an integer in \[0, 4\]"):
         PredictionProposer(4, max_prediction_len=8, inner=NgramProposer(5))
     with pytest.raises(ValueError, match="reads the target's features"):
@@ -362,12 +382,13 @@ def test_generate_with_a_prediction_is_lossless_greedy(tiny_lm, prompts):
     # the state's counts agree with the loop's.
     np.testing.assert_array_equal(pred.accepted, counters.accepted)
     np.testing.assert_array_equal(pred.accepted + pred.rejected, counters.drafted)
-    # The exact prediction commits K + 1 tokens a step: 47 tokens after the first in 3 steps, all drafts accepted.
-    assert counters.steps[1] == -(-(NEW - 1) // 17)
+    # The exact prediction commits probe + 1 = 9 tokens in the first step, then K + 1 a step: 47 tokens after
+    # the first in 4 steps, all drafts accepted.
+    assert proposer.probe == 8 and counters.steps[1] == 1 + -(-(NEW - 1 - 9) // 17)
     assert pred.rejected[1] == 0 and pred.accepted[1] == NEW - 1 - counters.steps[1]
     # The random model's greedy output is periodic (period 9 for row 0): an n-gram ending at an edit finds its
     # next occurrence a period later, so the re-synced cursor runs ahead and the prediction is used up early.
-    # The first step still accepts the 9 tokens before the first edit (the seeded sampled test below shows
+    # The first steps still accept the 9 tokens before the first edit (the seeded sampled test below shows
     # re-sync on text without a period).
     assert pred.accepted[0] >= 9 and pred.rejected[0] >= 1
 

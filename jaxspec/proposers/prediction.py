@@ -15,6 +15,9 @@ drafts costs one target forward.
   last `ngram` output tokens, then shorter ones down to `min_match`) in the prediction at or after the
   cursor; the first occurrence of the longest matching n-gram puts the cursor just after it. No match: the
   row drafts nothing from the prediction this step (the cursor stays) and tries again with newer n-grams.
+  The first draft from a prediction, and the first after each re-sync, is a probe of at most `probe` tokens;
+  once a draft is accepted whole, drafts take up to K. An output that meets an unrelated prediction by chance
+  (a first token, a common n-gram) then costs a narrow verify, and a right prediction one step more.
 
 Rows without a prediction (length 0), out-of-sync rows with no match, and rows whose prediction is used up
 take the draft of an optional inner proposer (a deterministic chain proposer: n-gram, suffix automaton), or
@@ -72,6 +75,11 @@ class PredictionState:
     # time a prediction draft is rejected outright, back to min_match when one is accepted. In a prediction
     # that does not fit the output, short n-grams match by chance and every false draft costs a wide verify.
     need: jax.Array | None = None
+    # bool[B] the row's last prediction draft was accepted whole: its next may take K tokens, else `probe`. False
+    # from the start and after each re-sync, so an output that meets the prediction by chance (a first token or
+    # an n-gram an unrelated prediction shares with it: `return result`) costs a narrow verify, not a K + 1 wide
+    # one.
+    proven: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,7 @@ class PredictionProposer(ChainProposer):
     ngram: int = 4  # re-sync tries the last `ngram` output tokens first ...
     min_match: int = 2  # ... down to `min_match` tokens; shorter suffixes never re-synchronise
     inner: Proposer | None = None  # a deterministic chain proposer with K' <= K (drafts padded to K), or None
+    probe: int = 8  # the first draft after a re-sync takes at most this many tokens (verify width 9)
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -98,6 +107,8 @@ class PredictionProposer(ChainProposer):
             raise ValueError(f"min_match={self.min_match!r} must be an integer >= 1")
         if isinstance(self.ngram, bool) or not isinstance(self.ngram, int) or self.ngram < self.min_match:
             raise ValueError(f"ngram={self.ngram!r} must be an integer >= min_match={self.min_match!r}")
+        if isinstance(self.probe, bool) or not isinstance(self.probe, int) or self.probe < 1:
+            raise ValueError(f"probe={self.probe!r} must be an integer >= 1")
         inner = self.inner
         if inner is None:
             return
@@ -121,13 +132,14 @@ class PredictionProposer(ChainProposer):
     def init(self, params, ctx: Context) -> PredictionState:
         """Every row without a prediction (`with_prediction` installs them); the inner proposer's state."""
         batch = ctx.history.shape[0]
+
         def zeros():  # one array per field: the decode loop donates the state, so no two fields share a buffer
             return jnp.zeros((batch,), jnp.int32)
 
         return PredictionState(
             tokens=jnp.zeros((batch, self.max_prediction_len), jnp.int32), length=zeros(), cursor=zeros(),
             synced=jnp.ones((batch,), bool), drafted=zeros(), accepted=zeros(), rejected=zeros(),
-            need=jnp.full((batch,), self.min_match, jnp.int32),
+            need=jnp.full((batch,), self.min_match, jnp.int32), proven=jnp.zeros((batch,), bool),
             # Right after prefill the newest token is the first generated one: the prompt is everything before.
             prompt_len=(ctx.history_len - 1).astype(jnp.int32),
             inner=() if self.inner is None else self.inner.init(params, ctx))
@@ -178,8 +190,10 @@ class PredictionProposer(ChainProposer):
         found_cursor, found = self._resync(pstate, ctx, retry)
         cursor = jnp.where(found, found_cursor, pstate.cursor)  # i32[B]
         synced = pstate.synced | found
+        proven = pstate.proven & ~found  # bool[B]
         left = jnp.maximum(length - cursor, 0)  # i32[B]  prediction tokens after the cursor
-        pred_num = jnp.where(synced & active, jnp.clip(jnp.minimum(jnp.minimum(left, ctx.max_draft), k), 0), 0)
+        most = jnp.minimum(jnp.minimum(left, ctx.max_draft), jnp.where(proven, k, min(self.probe, k)))  # i32[B]
+        pred_num = jnp.where(synced & active, jnp.clip(most, 0), 0)
         pred_num = pred_num.astype(jnp.int32)  # i32[B]
         pred_tokens = jnp.take_along_axis(pred, jnp.minimum(cursor[:, None] + jnp.arange(k), width - 1),
                                           axis=1)  # i32[B, K]
@@ -195,7 +209,7 @@ class PredictionProposer(ChainProposer):
             tokens = jnp.where(use_pred[:, None], pred_tokens, inner_tokens)
             inner_num = jnp.clip(jnp.minimum(d.num_draft, ctx.max_draft), 0, k).astype(jnp.int32)
             num_draft = jnp.where(use_pred, pred_num, inner_num)
-        new = pstate.replace(cursor=cursor, synced=synced, drafted=pred_num, inner=inner_state)
+        new = pstate.replace(cursor=cursor, synced=synced, drafted=pred_num, proven=proven, inner=inner_state)
         return Draft(tokens=tokens.astype(jnp.int32), num_draft=num_draft), new
 
     def update(self, params, pstate: PredictionState, ctx: Context, committed: Committed) -> PredictionState:
@@ -222,7 +236,8 @@ class PredictionProposer(ChainProposer):
             drafted=jnp.zeros_like(pstate.drafted),
             accepted=pstate.accepted + accepted, rejected=pstate.rejected + rejected, inner=inner,
             need=jnp.where(accepted > 0, self.min_match,
-                           jnp.where(pstate.drafted > 0, jnp.minimum(2 * pstate.need, self.ngram), pstate.need)))
+                           jnp.where(pstate.drafted > 0, jnp.minimum(2 * pstate.need, self.ngram), pstate.need)),
+            proven=jnp.where(pstate.drafted > 0, accepted == pstate.drafted, pstate.proven))
 
 
 def with_prediction(pstate: PredictionState, tokens, lengths, history, history_len, prompt_len, *,
@@ -267,7 +282,8 @@ def with_prediction(pstate: PredictionState, tokens, lengths, history, history_l
                           synced=(run == out_len) | ((out_len <= 1) & trust_start),
                           drafted=jnp.zeros((batch,), jnp.int32),
                           accepted=jnp.zeros((batch,), jnp.int32), rejected=jnp.zeros((batch,), jnp.int32),
-                          prompt_len=jnp.array(prompt_len, copy=True))
+                          prompt_len=jnp.array(prompt_len, copy=True),
+                          proven=jnp.zeros((batch,), bool))
 
 
 def pad_predictions(predictions: Sequence[Sequence[int] | None], max_len: int) -> tuple[np.ndarray, np.ndarray]:
