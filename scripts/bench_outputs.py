@@ -12,7 +12,8 @@ json: extraction chat requests with a JSON schema each: free text (no constraint
 Every condition's output is checked: predicted outputs give the plain tokens; constrained outputs validate and
 are identical across drafting modes. Tokens/s is over the decode loop (GenerateStats.decode_s); conditions run
 interleaved per prompt, each timed on its second run (the first may compile a new prompt or prediction bucket),
-so machine noise hits all alike.
+so machine noise hits all alike; edits' `--repeats N` times N rounds over the conditions and takes each one's
+median rate.
 
     python scripts/bench_outputs.py edits --prompts 20 --new-tokens 128
     python scripts/bench_outputs.py json --new-tokens 96
@@ -77,20 +78,23 @@ def bench_edits(lm, args) -> list[str]:
     for i, (prompt, ref) in enumerate(zip(prompts, plain)):
         predictions = {name: (plain[(i + 1) % len(plain)].text[0] if f is None else edit_lines(ref.text[0], f, rng))
                        for name, f in conditions.items()}
-        outs = {"none": _run(lm, prompt, args.new_tokens)}
-        for name, prediction in predictions.items():
+        for prediction in predictions.values():
             _run(lm, prompt, args.new_tokens, prediction=prediction)  # a new prediction length may compile
-            outs[name] = _run(lm, prompt, args.new_tokens, prediction=prediction)
-        for name, out in outs.items():
-            if out.token_ids != ref.token_ids:
+        # Rounds over every condition; each condition's rate is its median over the rounds.
+        rounds = [{"none": _run(lm, prompt, args.new_tokens),
+                   **{name: _run(lm, prompt, args.new_tokens, prediction=prediction)
+                      for name, prediction in predictions.items()}} for _ in range(args.repeats)]
+        for name in rounds[0]:
+            if any(r[name].token_ids != ref.token_ids for r in rounds):
                 raise SystemExit(f"prompt {i} {name}: output differs from plain decoding")
-        base = _rate(outs["none"])
+        rate = {name: statistics.median(_rate(r[name]) for r in rounds) for name in rounds[0]}
+        base = rate["none"]
         line = [f"prompt {i}: none {base:.1f} tok/s"]
         for name in conditions:
-            r = outs[name].stats.rows[0]
-            per[name].append((_rate(outs[name]) / base, r.accepted_prediction_tokens, r.rejected_prediction_tokens,
+            r = rounds[0][name].stats.rows[0]
+            per[name].append((rate[name] / base, r.accepted_prediction_tokens, r.rejected_prediction_tokens,
                               r.steps, r.generated))
-            line.append(f"{name} {_rate(outs[name]) / base:.2f}x acc {r.accepted_prediction_tokens} "
+            line.append(f"{name} {rate[name] / base:.2f}x acc {r.accepted_prediction_tokens} "
                         f"rej {r.rejected_prediction_tokens} steps {r.steps}/{r.generated - 1}")
         print(" | ".join(line), flush=True)
     for name, values in per.items():
@@ -200,6 +204,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=20, help="prompts (default: %(default)s; json has 10)")
     p.add_argument("--requests", type=int, default=20, help="edit requests (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens per completion (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="edits: timed rounds over the conditions per prompt, median rate (default: %(default)s)")
     p.add_argument("--out", help="also write the markdown tables to this file")
     args = p.parse_args()
     lm = jaxspec.load_model()
