@@ -25,7 +25,7 @@ from .methods import build_proposer
 from .models.loading import LanguageModel
 from .penalties import any_penalty
 from .proposers.base import Draft, Proposer
-from .shapes import bucket_shapes, widths_for_long_drafts
+from .shapes import bucket_shapes, widths_for_forced_text, widths_for_long_drafts
 from .text import TextStream
 
 
@@ -451,6 +451,8 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
         proposer = constrained.wrap(proposer, req.spec, req.spec.forced_tokens)
     if proposer.num_speculative_tokens > req.spec.num_speculative_tokens:
         widths = widths_for_long_drafts(widths, proposer.num_speculative_tokens)
+    if isinstance(proposer, constrained.ForcedTokenProposer):
+        widths = widths_for_forced_text(widths, proposer.num_speculative_tokens)
     verify_cost = None
     if req.spec.cost_aware and len(widths) > 1 and cost.enabled():
         # Costs at a cache about half filled with output, the middle of the run.

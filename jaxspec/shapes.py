@@ -44,6 +44,18 @@ def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int, k: int) -> tu
 LONG_DRAFT_WIDTHS = (9, 17, 33, 65)
 
 
+# Verify widths offered beside those when forced text is drafted (`generate(constraint=...)`): a forced run (a
+# JSON key with its quotes and colon) is 2-4 tokens, and a forward over 3 or 5 new tokens costs well below one
+# over 9 on XLA:CPU (c(3), c(5), c(9) = 1.7, 2.3, 3.0 plain steps at batch 1 on AVX2; 1.0-1.2 against 1.5 on
+# AVX-512 with the CPU matmul kernel: docs/BENCHMARKS.md).
+FORCED_TEXT_WIDTHS = (3, 5)
+
+
+def widths_for_forced_text(widths: Sequence[int], k: int) -> tuple[int, ...]:
+    """`widths` plus FORCED_TEXT_WIDTHS up to K + 1."""
+    return tuple(sorted(set(widths) | {w for w in FORCED_TEXT_WIDTHS if w <= k + 1}))
+
+
 def widths_for_long_drafts(widths: Sequence[int], k: int) -> tuple[int, ...]:
     """`widths` plus LONG_DRAFT_WIDTHS up to K + 1, and K + 1."""
     return tuple(sorted(set(widths) | {w for w in LONG_DRAFT_WIDTHS if w <= k + 1} | {k + 1}))

@@ -83,6 +83,16 @@ def test_plain_constrained_greedy_is_the_masked_argmax(tiny_lm, prompts, plain):
     assert plain.stats.drafted == 0
 
 
+def test_forced_drafting_verifies_short_runs_at_short_widths(tiny_lm, prompts, parity):
+    """A forced run (a JSON key) is a few tokens: widths 3 and 5 beside the long-draft ones; no forced drafting,
+    no extra widths."""
+    assert jaxspec.prepare(tiny_lm, prompts, max_new_tokens=32, constraint=parity).widths == (1, 3, 5, 9, 17)
+    sam = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=32, constraint=parity, spec=SpecConfig(method="sam"))
+    assert sam.widths == (1, 3, 5, 9, 17)
+    off = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=32, constraint=parity, spec=SpecConfig(forced_tokens=0))
+    assert off.widths == (1,)
+
+
 @pytest.mark.parametrize("kind", ["oracle_chain", "oracle_tree", "sam"])
 def test_greedy_speculative_under_a_constraint_equals_plain(tiny_lm, prompts, plain, parity, kind):
     spec = {"oracle_chain": lambda: SpecConfig(method="custom", num_speculative_tokens=5,
