@@ -19,10 +19,10 @@ install:
 demo: install
 	$(PYTHON) scripts/demo.py
 
-# Two pytest workers (pytest-xdist), a test file each at a time: much of a test's time is XLA compiling on one
-# core, so on the 2-core CI machine two workers ran the suite's 3470 s of tests in 1910 s of wall time.
-# --dist loadfile keeps a file's module fixtures (a served model, a compiled loop) in one worker. Each worker
-# holds up to ~6 GiB. `python -m pytest tests/test_x.py` still runs one file alone, in one process.
+# Two pytest workers (pytest-xdist), a test file each at a time: on the 2-core CI machine they ran the suite's
+# 3470 s of tests in 1910 s of wall time (warm compilation cache). --dist loadfile keeps a file's module
+# fixtures (a served model, a compiled loop) in one worker. A worker held about 5.5 GiB when sampled.
+# `python -m pytest tests/test_x.py` still runs one file alone, in one process.
 TEST_WORKERS ?= 2
 
 test: install

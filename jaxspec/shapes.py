@@ -51,11 +51,16 @@ LONG_DRAFT_WIDTHS = (9, 17, 33, 65)
 FORCED_TEXT_WIDTHS = (3, 5)
 
 
+def _with_widths(widths: Sequence[int], extra: Sequence[int], k: int) -> tuple[int, ...]:
+    """`widths` plus the `extra` ones up to K + 1, sorted, each once."""
+    return tuple(sorted(set(widths) | {w for w in extra if w <= k + 1}))
+
+
 def widths_for_forced_text(widths: Sequence[int], k: int) -> tuple[int, ...]:
     """`widths` plus FORCED_TEXT_WIDTHS up to K + 1."""
-    return tuple(sorted(set(widths) | {w for w in FORCED_TEXT_WIDTHS if w <= k + 1}))
+    return _with_widths(widths, FORCED_TEXT_WIDTHS, k)
 
 
 def widths_for_long_drafts(widths: Sequence[int], k: int) -> tuple[int, ...]:
     """`widths` plus LONG_DRAFT_WIDTHS up to K + 1, and K + 1."""
-    return tuple(sorted(set(widths) | {w for w in LONG_DRAFT_WIDTHS if w <= k + 1} | {k + 1}))
+    return _with_widths(widths, (*LONG_DRAFT_WIDTHS, k + 1), k)

@@ -94,7 +94,7 @@ class PredictionProposer(ChainProposer):
     ngram: int = 4  # re-sync tries the last `ngram` output tokens first ...
     min_match: int = 2  # ... down to `min_match` tokens; shorter suffixes never re-synchronise
     inner: Proposer | None = None  # a deterministic chain proposer with K' <= K (drafts padded to K), or None
-    probe: int = 8  # the first draft after a re-sync takes at most this many tokens (verify width 9)
+    probe: int = 8  # the first draft from a prediction, and after each re-sync, takes at most this many tokens
 
     def __post_init__(self):
         k = self.num_speculative_tokens
