@@ -38,6 +38,7 @@ from jaxspec.constraints import (
     states_along,
 )
 from jaxspec.constraints.automaton import check_key_range
+from jaxspec.constraints.jump import first_piece
 from jaxspec.models.loading import gguf_config, named_model_path
 from jaxspec.models.tokenizer import Tokenizer
 
@@ -273,6 +274,17 @@ def test_forced_tokens_of_a_one_key_schema(tok, vocab):
 
     assert jump('{"') == tok.decode(tok.encode('name":"')[:1])
     assert jump('{"name":"hi') is None  # inside a free string nothing is forced
+    # The key's end is drafted as `":` (the token spaced JSON has there), not the tokenizer's own `":"`, and the
+    # string's opening quote after it, which no single token forces (`"h`, `"hi`, ... are all legal), is drafted.
+    assert tok.encode('":"') == [tok.token_to_id('":"')] and jump('{"name') == '":'
+    assert forced('{"name":') is None and jump('{"name":') == '"'
+
+
+def test_forced_text_is_drafted_in_pieces_that_end_at_separators():
+    assert first_piece(b'":"') == b'":'
+    assert first_piece(b'","age":') == b'",'
+    assert first_piece(b'name') == b'name'
+    assert first_piece(b'') == b''
 
 
 # ------------------------------------------------------------------------------------------- device semantics

@@ -12,8 +12,8 @@ Layout (`TokenAutomaton`; S states, E legal (state, token) pairs, W = ceil(V / 3
   next    i32[E]     the state after keys[e]'s token
   final   bool[S]    the text so far matches completely: EOS is legal (and keeps the state)
   forced  i32[S]     the only legal token, or -1 (precomputed on the host)
-  jump    i32[S]     where the constraint forces a text of several bytes (a JSON key, `", "`) though not one
-                     token: the first token of that text as the tokenizer writes it, or -1 (`jaxspec.constraints.jump`)
+  jump    i32[S]     where the constraint forces a text (a JSON key, `":`, a string's opening `"`) though not one
+                     token: the first token a model likely writes it with, or -1 (`jaxspec.constraints.jump`)
 A dense [S, V] next-state table would be S * V * 4 bytes (a 160-state JSON schema: 31 MB at V = 49152); the
 pairs are E * 8 (a JSON string state allows ~48k tokens, so a schema with a few strings has E ~ 10**5: ~1 MB).
 int32 keys need S * V < 2**31 (S < 43690 at V = 49152): `check_key_range`. `stack` pads keys with 2**31 - 1
@@ -190,7 +190,7 @@ def forced_token(aut: TokenAutomaton, state: jax.Array) -> jax.Array:
 
 
 def jump_token(aut: TokenAutomaton, state: jax.Array) -> jax.Array:
-    """i32[...] the first token of the text each state i32[...] forces, as the tokenizer writes it, or -1."""
+    """i32[...] the first token of the text each state i32[...] forces, as a model likely writes it, or -1."""
     real, row = _row(aut, state)
     return jnp.where(real, aut.jump[row], -1)
 
