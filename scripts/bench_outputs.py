@@ -12,8 +12,8 @@ json: extraction chat requests with a JSON schema each: free text (no constraint
 Every condition's output is checked: predicted outputs give the plain tokens; constrained outputs validate and
 are identical across drafting modes. Tokens/s is over the decode loop (GenerateStats.decode_s); conditions run
 interleaved per prompt, each timed on its second run (the first may compile a new prompt or prediction bucket),
-so machine noise hits all alike; edits' `--repeats N` times N rounds over the conditions and takes each one's
-median rate.
+so machine noise hits all alike; `--repeats N` times N rounds over the conditions and takes each one's median
+rate. json's last ten passages are held out: written after its forced-text drafting was tuned on the first ten.
 
     python scripts/bench_outputs.py edits --prompts 20 --new-tokens 128
     python scripts/bench_outputs.py json --new-tokens 96
@@ -148,7 +148,20 @@ PASSAGES = [
     ("A chess tournament opens at 10 am on May 9 at City Library; entry is 5 euros.", "event"),
     ("We are hiring a senior Python developer in Berlin, full time, salary 80000 euros, remote allowed.", "job"),
     ("Part-time barista wanted in Dublin, 12 euros per hour, no remote work.", "job"),
+    # Held out: written after the forced-text drafting was tuned on the ten above, and measured only with it.
+    ("Luna, a white rabbit aged 2, lives in a hutch in the garden of a house in Porto.", "pet"),
+    ("Our parrot Kiwi is 15 years old, green, and stays inside our flat in Vienna.", "pet"),
+    ("The Orbit 5 e-bike is priced at 2100 dollars, weighs 21.5 kg and ships today.", "product"),
+    ("This steel water bottle costs 18 dollars and weighs 0.35 kg; it is currently unavailable.", "product"),
+    ("Amina Diallo is a 28 year old architect based in Dakar; she speaks French, Wolof and English.", "person"),
+    ("Lars Berg, aged 62, teaches history in Bergen and speaks Norwegian and German.", "person"),
+    ("The film festival opens on October 12 at 7 pm in the Rex Cinema, with tickets at 15 euros.", "event"),
+    ("Join the spring marathon on April 20 at 9 am from Central Park; registration costs 40 dollars.", "event"),
+    ("Data analyst position in Toronto, full-time, 65000 dollars a year, hybrid remote work possible.", "job"),
+    ("Seasonal fruit picker needed near Valencia for the summer, part-time, paid 900 euros a month, on site.",
+     "job"),
 ]
+HELD_OUT = 10  # PASSAGES[HELD_OUT:] were not used to tune what is measured
 
 
 def schema_of(fields: dict) -> dict:
@@ -166,46 +179,58 @@ def schema_of(fields: dict) -> dict:
 def bench_json(lm, args) -> list[str]:
     conditions = {"free": {}, "json/none": {"spec": SpecConfig(forced_tokens=0)}, "json/forced": {"spec": SpecConfig()},
                   "json/forced+sam": {"spec": SpecConfig(method="sam")}, "free/sam": {"spec": SpecConfig(method="sam")}}
-    per = {name: [] for name in conditions}
+    per = {name: [] for name in conditions}  # per prompt: (rate vs free, time vs free, steps, tokens, s/step)
     for i, (passage, family) in enumerate(PASSAGES[: args.prompts]):
         fields = FAMILIES[family]
         schema = schema_of(fields)
         message = f"Extract the fields {', '.join(fields)} from this text as JSON.\n\n{passage}"
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
-        runs = {}
-        for name, kw in conditions.items():
-            constraint = jaxspec.JsonSchema(schema) if name.startswith("json") else None
-            _run(lm, prompt, args.new_tokens, constraint=constraint, **kw)  # warm-up of this shape
-            runs[name] = _run(lm, prompt, args.new_tokens, constraint=constraint, **kw)
-        outs = [runs[n] for n in conditions if n.startswith("json")]
+        kwargs = {name: dict(kw, constraint=jaxspec.JsonSchema(schema) if name.startswith("json") else None)
+                  for name, kw in conditions.items()}
+        for kw in kwargs.values():
+            _run(lm, prompt, args.new_tokens, **kw)  # warm-up of this shape
+        rounds = [{name: _run(lm, prompt, args.new_tokens, **kw) for name, kw in kwargs.items()}
+                  for _ in range(args.repeats)]
+        runs = rounds[0]
+        outs = [r[n] for r in rounds for n in conditions if n.startswith("json")]
         if any(o.token_ids != outs[0].token_ids for o in outs):
             raise SystemExit(f"prompt {i}: constrained outputs differ between drafting modes")
         if outs[0].finish_reason[0] == "stop":
             jsonschema.validate(json.loads(outs[0].text[0]), schema)
-        base = runs["free"]
+        # Each condition's median over the rounds, of its rate and of its decode time.
+        rate = {n: statistics.median(_rate(r[n]) for r in rounds) for n in conditions}
+        decode_s = {n: statistics.median(r[n].stats.decode_s for r in rounds) for n in conditions}
         for name, out in runs.items():
-            per[name].append((_rate(out) / _rate(base), out.stats.decode_s / base.stats.decode_s,
-                              out.stats.steps, out.stats.generated_tokens - 1,
-                              out.stats.decode_s / max(out.stats.steps, 1)))
+            per[name].append((rate[name] / rate["free"], decode_s[name] / decode_s["free"], out.stats.steps,
+                              out.stats.generated_tokens - 1, decode_s[name] / max(out.stats.steps, 1)))
         print(f"prompt {i}: " + " | ".join(f"{n} {per[n][-1][0]:.2f}x ({per[n][-1][2]} steps)" for n in conditions)
               + f" | {outs[0].text[0]}", flush=True)
-    rows = [[name, f"{_geomean([v[0] for v in values]):.2f}x", f"{_geomean([v[1] for v in values]):.2f}",
-             f"{sum(v[3] for v in values) / sum(v[2] for v in values):.2f}",
-             f"{1000 * statistics.fmean(v[4] for v in values):.1f}"] for name, values in per.items()]
-    table = tables.markdown(["condition", "tokens/s vs free (geomean)", "time per completion vs free",
-                             "tokens per step", "ms per step"], rows)
-    return [f"### Structured output: {len(per['free'])} extraction requests with a JSON schema, up to "
-            f"{args.new_tokens} tokens", "", table]
+
+    def table(first: int, last: int) -> str:
+        rows = [[name, f"{_geomean([v[0] for v in values[first:last]]):.2f}x",
+                 f"{_geomean([v[1] for v in values[first:last]]):.2f}",
+                 f"{sum(v[3] for v in values[first:last]) / sum(v[2] for v in values[first:last]):.2f}",
+                 f"{1000 * statistics.fmean(v[4] for v in values[first:last]):.1f}"] for name, values in per.items()]
+        return tables.markdown(["condition", "tokens/s vs free (geomean)", "time per completion vs free",
+                                "tokens per step", "ms per step"], rows)
+
+    n = len(per["free"])
+    lines = [f"### Structured output: {n} extraction requests with a JSON schema, up to {args.new_tokens} tokens, "
+             f"median of {args.repeats} round(s)", "", table(0, n)]
+    if n > HELD_OUT:
+        lines += ["", f"The {n - HELD_OUT} held-out requests (passages {HELD_OUT}-{n - 1}) alone:", "",
+                  table(HELD_OUT, n)]
+    return lines
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", choices=("edits", "json"))
-    p.add_argument("--prompts", type=int, default=20, help="prompts (default: %(default)s; json has 10)")
+    p.add_argument("--prompts", type=int, default=20, help="prompts (default: %(default)s)")
     p.add_argument("--requests", type=int, default=20, help="edit requests (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens per completion (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="edits: timed rounds over the conditions per prompt, median rate (default: %(default)s)")
+                   help="timed rounds over the conditions per prompt, median rate (default: %(default)s)")
     p.add_argument("--out", help="also write the markdown tables to this file")
     args = p.parse_args()
     lm = jaxspec.load_model()
