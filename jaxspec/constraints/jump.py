@@ -9,9 +9,10 @@ accepts it whenever the target writes the text the same way.
 
 Which way that is: a model writes minified JSON with the tokens of the spaced JSON it mostly saw, `":` and then
 `"` rather than the tokenizer's own `":"` (measured on the default model: in five extraction requests, every
-string-valued key drafted with `":"` had it rejected for `":`). So the text is encoded in pieces that end after each `:` and `,`, and
-no drafted token spans a separator and what follows it. A one-byte forced text is drafted too: after `":` the
-opening `"` of a string value is forced, though `"Tom` and a thousand other tokens starting with it are legal.
+string-valued key drafted with `":"` had it rejected for `":`). So the text is encoded in pieces that end after
+each `:` and `,`, and no drafted token spans a separator and what follows it. A one-byte forced text is drafted
+too: after `":` the opening `"` of a string value is forced, though `"Tom` and a thousand other tokens starting
+with it are legal.
 """
 
 from __future__ import annotations
