@@ -193,6 +193,21 @@ def test_resync_takes_the_longest_ngram_first_at_or_after_the_cursor():
     np.testing.assert_array_equal(new.drafted, [4, 2, 0])
 
 
+def test_resync_looks_behind_the_cursor_only_when_nothing_lies_ahead():
+    pred = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 8]
+    # Row 0, cursor 3: "1 2" at 6 lies ahead: it wins over index 0 behind -> drafts from 3 at index 8.
+    # Row 1, cursor 12 (the output ran a period behind the re-synced cursor): "4 5" lies only behind; the last
+    # occurrence (index 9) puts the cursor at 11 -> drafts "6 8".
+    # Row 2, cursor 13 (the prediction used up): "2 3" last occurs at 7 -> drafts from 4 at index 9.
+    prompts, outputs = [[60], [60], [60]], [[9, 1, 2], [9, 4, 5], [9, 2, 3]]
+    pstate = _start(K4, prompts, outputs, [pred] * 3)
+    pstate = pstate.replace(cursor=jnp.asarray([3, 12, 13], jnp.int32), synced=jnp.zeros((3,), bool))
+    draft, new = _propose(K4, None, pstate, _ctx(prompts, outputs, [4, 4, 4]))
+    assert _drafts(draft) == [[3, 4, 5, 6], [6, 8], [4, 5, 6, 8]]
+    np.testing.assert_array_equal(new.cursor, [8, 11, 9])
+    np.testing.assert_array_equal(new.synced, [True, True, True])
+
+
 def test_the_resync_ngram_lies_in_the_output():
     """A prompt ending in a prediction bigram does not re-sync a row whose output is a single token."""
     prompts, outputs = [[1, 2, 10]], [[11]]
@@ -387,7 +402,8 @@ def test_generate_with_a_prediction_is_lossless_greedy(tiny_lm, prompts):
     assert proposer.probe == 8 and counters.steps[1] == 1 + -(-(NEW - 1 - 9) // 17)
     assert pred.rejected[1] == 0 and pred.accepted[1] == NEW - 1 - counters.steps[1]
     # The random model's greedy output is periodic (period 9 for row 0): an n-gram ending at an edit finds its
-    # next occurrence a period later, so the re-synced cursor runs ahead and the prediction is used up early.
+    # next occurrence a period later, so the re-synced cursor runs ahead (and re-syncs behind once nothing is
+    # left ahead).
     # The first steps still accept the 9 tokens before the first edit (the seeded sampled test below shows
     # re-sync on text without a period).
     assert pred.accepted[0] >= 9 and pred.rejected[0] >= 1

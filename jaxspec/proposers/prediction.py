@@ -13,8 +13,12 @@ drafts costs one target forward.
 - Out of sync: a committed token that differs from the prediction (the edit) leaves the cursor at the
   differing position. Each later step tries to re-synchronise by finding the row's newest output n-gram (its
   last `ngram` output tokens, then shorter ones down to `min_match`) in the prediction at or after the
-  cursor; the first occurrence of the longest matching n-gram puts the cursor just after it. No match: the
-  row drafts nothing from the prediction this step (the cursor stays) and tries again with newer n-grams.
+  cursor; the first occurrence of the longest matching n-gram puts the cursor just after it. Only where no
+  n-gram occurs there, the last occurrence before the cursor does: in an output that repeats itself a re-sync
+  can land a period ahead, and the cursor would otherwise reach the prediction's end with periods of output
+  to go (measured: a HumanEval completion that lists similar calls drafted nothing for its last 75 tokens
+  with its own text as the prediction). No match: the row drafts nothing from the prediction this step (the
+  cursor stays) and tries again with newer n-grams.
   The first draft from a prediction, and the first after each re-sync, is a probe of at most `probe` tokens;
   once a draft is accepted whole, drafts take up to K. An output that meets an unrelated prediction by chance
   (a first token, a common n-gram) then costs a narrow verify, and a right prediction one step more.
@@ -147,14 +151,16 @@ class PredictionProposer(ChainProposer):
     def _resync(self, pstate: PredictionState, ctx: Context, retry: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(cursor i32[B], found bool[B]): for rows in `retry` (bool[B]), the index just after the first
         occurrence, at or after the cursor, of the longest output suffix of `min_match`..`ngram` tokens found
-        in the prediction; other rows (and rows with no match) keep their cursor, found False."""
+        in the prediction there; with none there, just after its last occurrence before the cursor. Other rows
+        (and rows with no match) keep their cursor, found False."""
         pred, length, cursor = pstate.tokens, pstate.length, pstate.cursor  # i32[B, L], i32[B], i32[B]
         hist, hist_len = ctx.history, ctx.history_len  # i32[B, H], i32[B]
         width = pred.shape[1]
         out_len = hist_len - pstate.prompt_len  # i32[B]  output tokens so far
 
         def search():
-            new_cursor, found = cursor, jnp.zeros_like(retry)
+            ahead, found_ahead = cursor, jnp.zeros_like(retry)  # the first occurrence at or after the cursor
+            behind, found_behind = cursor, jnp.zeros_like(retry)  # the last one before it
             # Shorter n-grams first so that longer ones, when they match, overwrite them.
             for n in range(self.min_match, self.ngram + 1):
                 if n > width:
@@ -167,13 +173,18 @@ class PredictionProposer(ChainProposer):
                     hits &= pred[:, t: t + num_windows] == suffix[:, t: t + 1]
                 i = jnp.arange(num_windows)
                 hits &= (n >= pstate.need)[:, None]  # long enough for the row's recent record
-                hits &= ((i >= cursor[:, None]) & (i + n <= length[:, None])  # inside the prediction, not behind
+                hits &= ((i + n <= length[:, None])  # inside the prediction
                          & (out_len[:, None] >= n) & retry[:, None])  # the n-gram lies in the output
-                first = jnp.min(jnp.where(hits, i, width), axis=1)  # i32[B], width: no hit
-                hit = first < width
-                new_cursor = jnp.where(hit, first + n, new_cursor)
-                found |= hit
-            return new_cursor, found
+                first = jnp.min(jnp.where(hits & (i >= cursor[:, None]), i, width), axis=1)  # i32[B], width: none
+                last = jnp.max(jnp.where(hits & (i < cursor[:, None]), i, -1), axis=1)  # i32[B], -1: none
+                ahead = jnp.where(first < width, first + n, ahead)
+                found_ahead |= first < width
+                behind = jnp.where(last >= 0, last + n, behind)
+                found_behind |= last >= 0
+            # Behind the cursor only when nothing lies ahead: in a text that repeats itself (a list of similar
+            # lines), a re-sync can land a period ahead of the output, and the cursor then reaches the
+            # prediction's end while the output still has periods to go.
+            return jnp.where(found_ahead, ahead, behind), found_ahead | found_behind
 
         # The search scans the whole prediction per n-gram length: skip it on steps where every row is in sync.
         return jax.lax.cond(jnp.any(retry), search, lambda: (cursor, jnp.zeros_like(retry)))
