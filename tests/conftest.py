@@ -94,16 +94,3 @@ def pytest_configure(config):
     # Compiled programs are reused across test runs on the same machine (the real model compiles slowly).
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
-# The heaviest test files, heaviest first (summed test time on the 2-core CI machine, 2026-11-25: 446, 432, 355,
-# 300, 142, 130, 129, 118, 111 s of a 3471 s suite). `make test` gives each file whole to the next free pytest
-# worker (`--dist loadfile`) in collection order; collected alphabetically, a long one can start near the end
-# and run while the other worker idles. Longest first, the workers finish close together.
-HEAVIEST_FIRST = ("test_server", "test_spmd", "test_speculative_real", "test_distributed", "test_heads_real",
-                  "test_constrained", "test_engine", "test_playground", "test_draft_vocab")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each file keeps its order
