@@ -64,6 +64,11 @@ def _rate(out) -> float:
     return (out.stats.generated_tokens - 1) / out.stats.decode_s
 
 
+def _median_rates(rounds: list[dict]) -> dict:
+    """Each condition's median tokens/s over timed rounds (one {condition: output} dict per round)."""
+    return {name: statistics.median(_rate(r[name]) for r in rounds) for name in rounds[0]}
+
+
 def _geomean(values) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else float("nan")
 
@@ -87,7 +92,7 @@ def bench_edits(lm, args) -> list[str]:
         for name in rounds[0]:
             if any(r[name].token_ids != ref.token_ids for r in rounds):
                 raise SystemExit(f"prompt {i} {name}: output differs from plain decoding")
-        rate = {name: statistics.median(_rate(r[name]) for r in rounds) for name in rounds[0]}
+        rate = _median_rates(rounds)
         base = rate["none"]
         line = [f"prompt {i}: none {base:.1f} tok/s"]
         for name in conditions:
@@ -198,7 +203,7 @@ def bench_json(lm, args) -> list[str]:
         if outs[0].finish_reason[0] == "stop":
             jsonschema.validate(json.loads(outs[0].text[0]), schema)
         # Each condition's median over the rounds, of its rate and of its decode time.
-        rate = {n: statistics.median(_rate(r[n]) for r in rounds) for n in conditions}
+        rate = _median_rates(rounds)
         decode_s = {n: statistics.median(r[n].stats.decode_s for r in rounds) for n in conditions}
         for name, out in runs.items():
             per[name].append((rate[name] / rate["free"], decode_s[name] / decode_s["free"], out.stats.steps,
