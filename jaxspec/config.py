@@ -280,15 +280,16 @@ class SpecConfig:
     # shape and cached on disk.
     cost_aware: bool = False
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
-    # medusa / eagle / eagle2: the trained head's file (jaxspec.models.heads.save_head); None takes the head
-    # shipped for the model (models/weights/<model>.<kind>.safetensors).
+    # medusa / eagle / eagle2 / eagle3: the trained head's file (jaxspec.models.heads.save_head); None takes the
+    # head shipped for the model (models/weights/<model>.<kind>.safetensors).
     head_path: str | None = None
-    # eagle2: levels of the dynamic tree, and frontier nodes expanded per level (each with that many children).
+    # eagle2 / eagle3: levels of the dynamic tree, and frontier nodes expanded per level (each with that many
+    # children).
     # eagle: unset drafts a chain of K; set, a static tree (EAGLE-1) of K nodes at most tree_depth deep, with
     # up to tree_top_k candidates per node (`TreeTopology.default`).
     tree_depth: int | None = None
     tree_top_k: int | None = None
-    # medusa / eagle / eagle2: the head scores only the N most frequent target tokens (FR-Spec), the first N of
+    # medusa / eagle / eagle2 / eagle3: the head scores only the N most frequent target tokens (FR-Spec), the first N of
     # a frequency ranking (models/weights/<model>.draft_vocab.json, or <head>.draft_vocab.json beside your own
     # head), so a drafting pass skips most of the LM head; drafts map back to target ids and verification stays
     # lossless. An integer in [1, vocab_size] (the vocabulary size means all of it); unset takes the method's
@@ -352,12 +353,13 @@ class SpecConfig:
         if self.method == "custom" and getattr(self.proposer, "num_speculative_tokens", None) != k:
             raise ValueError(f"method='custom' needs proposer (a Proposer) with num_speculative_tokens={k}; "
                              f"got {self.proposer!r}")
-        if self.method == "eagle2" or (self.method == "eagle" and (self.tree_depth, self.tree_top_k) != (None, None)):
+        dynamic_tree = self.method in ("eagle2", "eagle3")
+        if dynamic_tree or (self.method == "eagle" and (self.tree_depth, self.tree_top_k) != (None, None)):
             for name in ("tree_depth", "tree_top_k"):
                 value = getattr(self, name)
                 if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                     raise ValueError(f"{name}={value!r} must be an integer >= 1")
-            drafted = (self.tree_top_k + (self.tree_depth - 1) * self.tree_top_k ** 2 if self.method == "eagle2"
+            drafted = (self.tree_top_k + (self.tree_depth - 1) * self.tree_top_k ** 2 if dynamic_tree
                        else sum(self.tree_top_k ** d for d in range(1, self.tree_depth + 1)))
             if k > drafted:
                 raise ValueError(f"num_speculative_tokens={k} exceeds the {drafted} nodes a tree of tree_depth="
@@ -367,7 +369,7 @@ class SpecConfig:
                 raise ValueError(f"draft_vocab={self.draft_vocab!r} must be None or an integer in [1, vocab_size]")
             if get(self.method).kind != "head":
                 raise ValueError(f"draft_vocab={self.draft_vocab!r} applies to the trained heads (medusa, eagle, "
-                                 f"eagle2), not method={self.method!r}")
+                                 f"eagle2, eagle3), not method={self.method!r}")
         if self.head_path is not None and not isinstance(self.head_path, (str, os.PathLike)):
             raise ValueError(f"head_path={self.head_path!r} must be a path")
         if not isinstance(self.cost_aware, (bool, np.bool_)):

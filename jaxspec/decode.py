@@ -196,10 +196,11 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     cache = model.new_cache(num_prompts, cache_len)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_prompts, width))
     # Prefill keeps the XLA attention: the kernel is built for the few new tokens of a verification step.
+    layers = feature_layers(proposer)
     out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla",
-                       cached_slots=0)
-    # (out.hidden holds every prompt position's feature, which EAGLE and Medusa heads start from.)
-    logits, hidden = out.logits, out.hidden
+                       cached_slots=0, **_layer_request(layers))
+    # (the features hold every prompt position's, which EAGLE and Medusa heads start from)
+    logits, hidden = out.logits, _target_features(out, layers)
     if group_size > 1:  # one forward per prompt, its cache and outputs copied into the group's rows
         logits, hidden, prompts, prompt_lens, cache = jax.tree.map(
             lambda x: jnp.repeat(x, group_size, axis=0), (logits, hidden, prompts, prompt_lens, cache))
@@ -261,7 +262,7 @@ class Verified:
     num: jax.Array  # i32[B]  in [1, K+1]
     cache: KVCache
     # f32[B, K+1, D]: the target's hidden state at the fed token behind each output (proposers with
-    # needs_features), else None
+    # needs_features; [B, K+1, L*D] with feature_layers), else None
     features: jax.Array | None
     logprobs: lp.Scored | None  # the outputs' log-probabilities, padded to K+1, when a row asked for them
 
@@ -290,15 +291,36 @@ def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, sampling: Sam
     return lp.record(buffer, ~state.done, compute).pad(k + 1)
 
 
+def feature_layers(proposer) -> tuple[int, ...] | None:
+    """What `proposer` reads of the target at each position: None nothing, () its final hidden state
+    (`output.hidden`), or the outputs of these decoder layers, concatenated (an EAGLE-3 head's)."""
+    if not proposer.needs_features:
+        return None
+    return tuple(getattr(proposer, "feature_layers", ()))
+
+
+def _layer_request(layers: tuple[int, ...] | None) -> dict:
+    """The forward's keyword asking for decoder layers' outputs, only when some are wanted: a target without
+    `return_layers` then serves every other method."""
+    return {"return_layers": layers} if layers else {}
+
+
+def _target_features(out, layers: tuple[int, ...] | None) -> jax.Array | None:
+    """[B, T, D] final hidden states, [B, T, L*D] the chosen layers' outputs side by side, or None."""
+    if layers is None:
+        return None
+    return jnp.concatenate(out.layer_hidden, axis=-1) if layers else out.hidden
+
+
 def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft: jax.Array,
                  sampling: SamplingParams, limits: RowLimits, k: int, attention_impl: str,
-                 want_features: bool, defer: bool = False) -> Verified:
+                 layers: tuple[int, ...] | None, defer: bool = False) -> Verified:
     """One target forward over each row's newest token plus its first `width - 1` drafts, then rejection
     sampling along the chain. With `defer` the Verified's cache holds only the new K/V (`_forward`)."""
     cache = state.cache
     fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # i32[B, width]
     positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
-    out, written = _forward(model, fed, positions, cache, None, attention_impl, defer)
+    out, written = _forward(model, fed, positions, cache, None, attention_impl, defer, layers)
     logits = penalize_scored(out.logits, state.counts, fed, None, sampling)  # f32[B, width, V]
     logits = constrained.constrain_scored(logits, state.constraint, fed, None, limits.stop_ids)
     probs = None if draft.probs is None else draft.probs[:, : width - 1]
@@ -307,21 +329,22 @@ def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft:
     tokens, num = rejection_sample(keys, logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
                                    positions=cache.lengths + 1)
     scored = _logprobs_of(state, lambda: (out.logits, logits), tokens, sampling, k)
-    return _verified(tokens, num, written, out.hidden if want_features else None, scored, k)
+    return _verified(tokens, num, written, _target_features(out, layers), scored, k)
 
 
 def _forward(model, fed: jax.Array, positions: jax.Array, cache: KVCache, tree_mask: jax.Array | None,
-             attention_impl: str, defer: bool):
+             attention_impl: str, defer: bool, layers: tuple[int, ...] | None):
     """The target forward of a verify step: (output, the cache with the fed tokens' K/V written), or with
     `defer` (output, a cache of `width` slots holding just their K/V), written by `_write_deferred`."""
+    extra = _layer_request(layers)
     if defer:
-        return model(fed, positions, cache, tree_mask=tree_mask, attention_impl=attention_impl, write_cache=False)
-    return model(fed, positions, cache, tree_mask=tree_mask, attention_impl=attention_impl)
+        extra["write_cache"] = False
+    return model(fed, positions, cache, tree_mask=tree_mask, attention_impl=attention_impl, **extra)
 
 
 def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: jax.Array, node_depth: jax.Array,
                 num_nodes: jax.Array, max_draft: jax.Array, sampling: SamplingParams, limits: RowLimits, k: int,
-                max_depth: int, attention_impl: str, want_features: bool, defer: bool = False) -> Verified:
+                max_depth: int, attention_impl: str, layers: tuple[int, ...] | None, defer: bool = False) -> Verified:
     """The tree version: one forward over the root and the first `width - 1` draft nodes under their ancestor
     mask, verification along the tree, and the accepted path's K/V moved to contiguous slots. A node whose
     token was out of the vocabulary (`in_vocab` bool[B, K] False), or under such a node, is never accepted.
@@ -335,7 +358,7 @@ def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: j
     fed = jnp.concatenate([state.last_tokens[:, None], tokens], axis=1)  # i32[B, width]: root, then the nodes
     depth = node_depth[:, :width]  # i32[B, width]: a parent precedes its child, so a prefix keeps its depths
     mask = tree_ancestor_mask(parents)  # bool[B, width, width]
-    out, written = _forward(model, fed, cache.lengths[:, None] + depth, cache, mask, attention_impl, defer)
+    out, written = _forward(model, fed, cache.lengths[:, None] + depth, cache, mask, attention_impl, defer, layers)
     logits = penalize_scored(out.logits, state.counts, fed, mask, sampling)  # f32[B, width, V]
     logits = constrained.constrain_scored(logits, state.constraint, fed, parents, limits.stop_ids)
     # Nodes past the row's node count, deeper than it may still emit, or on a path through an out-of-vocabulary
@@ -349,7 +372,7 @@ def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: j
     # Written slots start at the written cache's lengths: the rows' lengths, or 0 for deferred K/V.
     written = written.replace(k=tuple(gather_path(b, written.lengths, path) for b in written.k),
                               v=tuple(gather_path(b, written.lengths, path) for b in written.v))
-    features = gather_nodes(out.hidden, path) if want_features else None
+    features = None if layers is None else gather_nodes(_target_features(out, layers), path)
     # Output token j was drawn from the logits of path node j (the root first).
     scored = _logprobs_of(state, lambda: (gather_nodes(out.logits, path), gather_nodes(logits, path)), out_tokens,
                           sampling, k)
@@ -414,11 +437,11 @@ def verify(model, proposer: Proposer, state: DecodeState, draft: Draft, num_draf
         if node_depth is not None:
             def run():
                 return _score_tree(model, width, state, draft, in_vocab, node_depth, n, max_draft, sampling,
-                                   limits, k, proposer.max_depth, attention_impl, proposer.needs_features, defer)
+                                   limits, k, proposer.max_depth, attention_impl, feature_layers(proposer), defer)
         else:
             def run():
                 return _score_chain(model, width, state, draft, n, sampling, limits, k, attention_impl,
-                                    proposer.needs_features, defer)
+                                    feature_layers(proposer), defer)
         if not defer:
             return run
         return lambda: _pad_slots(run(), widest)

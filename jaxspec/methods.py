@@ -57,7 +57,8 @@ class Method:
     served: bool = False  # the serving engine can compile it in
     # What the target model must offer beyond the core contract (jaxspec.target checks it): "tree" (the forward
     # takes tree_mask), "layers" (self-drafting from its first layers), "features" (hidden states and the
-    # readout for heads), "eagle_head" (the config fields an EAGLE head's Llama layer is sized from).
+    # readout for heads), "eagle_head" (the config fields an EAGLE head's Llama layer is sized from),
+    # "layer_features" (chosen decoder layers' outputs: `return_layers`, for EAGLE-3).
     needs: tuple[str, ...] = ()
 
     @property
@@ -191,9 +192,9 @@ def _build_head(lm, spec, shapes):
     k = spec.num_speculative_tokens
     if spec.method == "medusa":
         return MedusaProposer(k, graphdef, medusa_topology(meta, k)), params
-    if spec.method == "eagle2":
+    if spec.method in ("eagle2", "eagle3"):
         return EagleProposer(k, graphdef, cache_len=shapes.cache_len, mode="tree", depth=spec.tree_depth,
-                             top_k=spec.tree_top_k), params
+                             top_k=spec.tree_top_k, feature_layers=tuple(meta.get("feature_layers") or ())), params
     if spec.tree_depth is not None:
         return EagleProposer(k, graphdef, cache_len=shapes.cache_len, mode="static",
                              topology=TreeTopology.default(spec.tree_depth, spec.tree_top_k, k)), params
@@ -246,6 +247,12 @@ _ALL = (
                               draft_vocab=4096)),
     Method("eagle2", "head", "an EAGLE head drafts a dynamic tree (EAGLE-2), expanded by draft confidence",
            _build_head, head="eagle", served=True, needs=("tree", "features", "eagle_head"),
+           defaults=_defaults(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf,
+                              verify_widths=(1, 16), tree_depth=6, tree_top_k=4, draft_vocab=4096)),
+    # EAGLE-3: a head fusing three of the target's layers, trained on its own drafting steps and on chat as well
+    # as code, drafting EAGLE-2's dynamic tree with the same budget and draft vocabulary.
+    Method("eagle3", "head", "an EAGLE-3 head (low, middle and high target layers fused) drafts a dynamic tree",
+           _build_head, head="eagle3", served=True, needs=("tree", "features", "eagle_head", "layer_features"),
            defaults=_defaults(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf,
                               verify_widths=(1, 16), tree_depth=6, tree_top_k=4, draft_vocab=4096)),
     Method("custom", "custom", "your own Proposer (SpecConfig.proposer, .proposer_params)", _build_custom,

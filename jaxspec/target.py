@@ -8,14 +8,17 @@ Flax NNX module with the attributes and the forward described here can be wrappe
   this): `cfg.vocab_size`, `cfg.max_position_embeddings`, `new_cache`, and the forward
   `model(tokens, positions, cache, *, logits_at, compute_logits, attention_impl, cached_slots)` that writes the
   new tokens' K/V at each row's cache length without advancing it;
-- tree drafts (`medusa`, `eagle`, `eagle2`, custom proposers that draft trees): the forward also takes
+- tree drafts (`medusa`, `eagle`, `eagle2`, `eagle3`, custom proposers that draft trees): the forward also takes
   `tree_mask`;
 - `SelfDraftTarget` (`self_draft`): a dataclass config with `num_layers`, the blocks as `layers`, and a
   class that builds itself from a config, so the first N layers become a draft sharing the target's arrays;
-- `HeadTarget` (`medusa`, `eagle`, `eagle2`): the final hidden state as `output.hidden`, `cfg.hidden_size`,
+- `HeadTarget` (`medusa`, `eagle`, `eagle2`, `eagle3`): the final hidden state as `output.hidden`, `cfg.hidden_size`,
   and the token embedding and LM head as the parameters `embed` [V, D] and `lm_head` [D, V] (`Readout.of`);
-  EAGLE's head is one Llama decoder layer sized from the target's config, so `eagle`/`eagle2` also need the
-  fields in `EAGLE_CONFIG_FIELDS`.
+  EAGLE's head is one Llama decoder layer sized from the target's config, so `eagle`/`eagle2`/`eagle3` also need the
+  fields in `EAGLE_CONFIG_FIELDS`;
+- layer features (`eagle3`): the forward also takes `return_layers` (a static tuple of decoder layer indices)
+  and returns those layers' outputs [B, T, D] as `output.layer_hidden`, and `cfg.num_layers` says how many
+  layers there are to choose from.
 
 `check_target(model, method)` checks a model against the tiers a method needs and raises a ValueError naming
 what is missing and the method that needs it. `LanguageModel.from_module` runs it for the core contract;
@@ -50,6 +53,7 @@ CORE_FORWARD_KEYWORDS: Mapping[str, str] = types.MappingProxyType({
     "cached_slots": "prefill passes 0 (an empty cache: attend to the new tokens only); None elsewhere",
 })
 TREE_KEYWORD = "tree_mask"  # bool[B, T, T]: which new tokens each new token sees (a draft tree's ancestors)
+LAYERS_KEYWORD = "return_layers"  # tuple[int, ...]: decoder layers whose outputs come back as output.layer_hidden
 # Config fields the EAGLE head reads: it is one Llama decoder layer (`jaxspec.models.llama.DecoderLayer`) built
 # from the target's config, with `dataclasses.replace(cfg, dtype="float32")`.
 EAGLE_CONFIG_FIELDS: tuple[str, ...] = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
@@ -69,6 +73,8 @@ class TargetOutput(Protocol):
     logits: jax.Array | None  # f32[B, L, V]  L = T, or logits_at.shape[1]; None only when compute_logits=False
     # [B, T, D] the final hidden state at every new token, logits_at or not (heads: logits == hidden @ lm_head)
     hidden: jax.Array
+    # ([B, T, D], ...) the outputs of the decoder layers the forward's `return_layers` names, in layer order
+    # (eagle3 only; a model serving no eagle3 head may leave it out)
 
 
 class TargetModel(Protocol):
@@ -139,10 +145,11 @@ class HeadConfig(TargetConfig, Protocol):
 
 
 class HeadTarget(TargetModel, Protocol):
-    """`medusa`, `eagle`, `eagle2`: heads read the target's final hidden state (`TargetOutput.hidden`, [B, T, D])
-    and turn predicted features into logits with the target's own LM head (`jaxspec.models.heads.Readout.of`
-    takes `params["embed"]` and `params["lm_head"]`), so `logits == hidden @ lm_head` must hold: no bias, no
-    scaling, no soft-capping after the LM head. EAGLE also builds its head from the target's config, which
+    """`medusa`, `eagle`, `eagle2`, `eagle3`: heads read the target's final hidden state (`TargetOutput.hidden`,
+    [B, T, D]; eagle3 chosen layers' outputs, `TargetOutput.layer_hidden`) and turn predicted features into
+    logits with the target's own LM head (`jaxspec.models.heads.Readout.of` takes `params["embed"]` and
+    `params["lm_head"]`), so `logits == hidden @ lm_head` must hold: no bias, no scaling, no soft-capping after
+    the LM head. EAGLE also builds its head from the target's config, which
     then needs every field in `EAGLE_CONFIG_FIELDS` (in practice a `jaxspec.models.config.ModelConfig`)."""
 
     cfg: HeadConfig
@@ -181,6 +188,9 @@ def _config_problems(cfg, method: str | None) -> str | None:
         if "num_layers" not in fields or not _is_positive_int(cfg.num_layers):
             return (f"{_label(method)} needs cfg.num_layers, a positive int field of a dataclass config: the draft "
                     f"is type(model)(dataclasses.replace(cfg, num_layers=self_draft_layers))")
+    if "layer_features" in needs and not _is_positive_int(getattr(cfg, "num_layers", None)):
+        return (f"{_label(method)} needs cfg.num_layers, a positive int: the head fuses the outputs of chosen "
+                f"decoder layers (low, middle and high)")
     if "features" in needs and not _is_positive_int(getattr(cfg, "hidden_size", None)):
         return (f"{_label(method)} needs cfg.hidden_size, a positive int: the width D of the hidden states the "
                 f"heads read and of the embedding and LM head they share")
@@ -213,7 +223,7 @@ def check_config(cfg, method: str | None = None) -> None:
 
 def _readout_problems(params, method: str | None, cfg=None) -> str | None:
     """What `params` lacks for `Readout.of`: `embed` [V, D] and `lm_head` [D, V] (with cfg: V and D from it)."""
-    who = _label(method) if method is not None else "a trained head (medusa, eagle, eagle2)"
+    who = _label(method) if method is not None else "a trained head (medusa, eagle, eagle2, eagle3)"
     shapes = {}
     for name in ("embed", "lm_head"):
         try:
@@ -295,9 +305,13 @@ def _structural_problems(module, params, method: str | None) -> str | None:
     needs = _needs(method)
     if "tree" in needs:
         keywords.append(TREE_KEYWORD)
+    if "layer_features" in needs:
+        keywords.append(LAYERS_KEYWORD)
     missing = _accepts(module.__call__, keywords)
     if missing is not None:
-        why = CORE_FORWARD_KEYWORDS.get(missing, "tree verification passes the drafts' ancestor mask bool[B, T, T]")
+        why = CORE_FORWARD_KEYWORDS.get(missing, "tree verification passes the drafts' ancestor mask bool[B, T, T]"
+                                        if missing == TREE_KEYWORD else
+                                        "the head reads chosen decoder layers' outputs (output.layer_hidden)")
         return f"{label} needs the forward to take the keyword {missing}: {why}"
     if "layers" in needs:
         layers = getattr(module, "layers", _MISSING)

@@ -12,6 +12,10 @@ blocks of D x D; EAGLE: one fc plus one decoder layer) and ships inside the repo
 - `EagleHead`: at position i it fuses the target's feature f_i with the embedding of token x_{i+1} (fc on the
   concatenation), runs one decoder layer (its own KV cache over earlier positions) and a norm, and predicts
   f_{i+1}; the LM head turns that into the distribution of x_{i+2}. Drafting feeds its own predictions back.
+- `Eagle3Head` (EAGLE-3): the same layer, but the target's feature at i is the fusion of three of its decoder
+  layers' outputs (low, middle, high: `eagle3_layers`), each RMS-normed and projected together to D. Its output
+  is not regressed onto any target feature: it is trained only to predict tokens, through steps 2..N of its
+  own drafting as well ("training-time test"), and fed back as the next step's feature.
 
 Heads are saved as one safetensors file (float16, half the bytes; the maths runs in float32) plus JSON
 metadata, and the ones trained for a named model are found by name (`named_head_path`). A frequency ranking of
@@ -39,7 +43,7 @@ from .config import ModelConfig
 from .llama import DecoderLayer, RMSNorm, _dense_init, visibility_mask
 from .rope import rope_tables
 
-HeadKind = Literal["medusa", "eagle"]
+HeadKind = Literal["medusa", "eagle", "eagle3"]
 WEIGHTS_DIR = Path(__file__).parent / "weights"  # shipped heads: <model>.<kind>.safetensors (+ .json)
 
 
@@ -119,6 +123,13 @@ class EagleHead(nnx.Module):
         self.layer = DecoderLayer(dataclasses.replace(cfg, dtype="float32"), rngs)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, jnp.float32)
 
+    feature_layers: tuple[int, ...] = ()  # () : the head reads the target's final hidden state
+
+    def target_features(self, features: jax.Array) -> jax.Array:
+        """The feature [..., D] the head reads at a committed position from what the target gives there: its
+        final hidden state [..., D], as it is."""
+        return features
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         cfg = self.cfg
         return KVCache.create(num_layers=1, batch=batch, num_kv_heads=cfg.num_kv_heads, max_len=max_len,
@@ -151,20 +162,57 @@ class EagleHead(nnx.Module):
         return out, cache.replace(k=(k,), v=(v,))
 
 
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """The decoder layers (0-based) whose outputs an EAGLE-3 head fuses for an L-layer target: EAGLE-3's low,
+    middle and high choice, layers 2, L // 2 and L - 3 (clipped into range, and fewer when they coincide, for very
+    shallow test models)."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers={num_layers!r} must be >= 1")
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2 if num_layers > 1 else 0, max(num_layers - 3, 0)}))
+
+
+class Eagle3Head(EagleHead):
+    def __init__(self, cfg: ModelConfig, feature_layers: tuple[int, ...], *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        if not feature_layers or any(not 0 <= i < cfg.num_layers for i in feature_layers):
+            raise ValueError(f"feature_layers={feature_layers!r} must name decoder layers of this "
+                             f"{cfg.num_layers}-layer model")
+        d, n = cfg.hidden_size, len(feature_layers)
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        # Each layer's output is RMS-normed on its own first: mid-stack residual streams carry a few huge
+        # coordinates (hundreds, against ~1 at the ends), so raw concatenation would drown the others.
+        self.fuse_norm = nnx.Param(jnp.ones((n, d), jnp.float32))  # [L, D] each layer's norm scale
+        self.fuse = _dense_init(rngs, (d, n * d), jnp.float32)  # [D, L*D]
+
+    def target_features(self, features: jax.Array) -> jax.Array:
+        """The fused feature [..., D] from the target's chosen layers' outputs, concatenated [..., L*D]."""
+        n, d = self.fuse_norm.shape
+        x = features.astype(jnp.float32).reshape(features.shape[:-1] + (n, d))
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.rms_norm_eps) * self.fuse_norm[...]
+        rows = x.reshape(-1, n * d)
+        return (rows @ self.fuse[...].T).reshape(features.shape[:-1] + (d,))
+
+
 # --------------------------------------------------------------------------------------------
 # files
 # --------------------------------------------------------------------------------------------
 
 
-def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int = 0):
-    """A freshly initialised head of `kind` for a target of config `cfg` (ValueError naming a field it lacks)."""
+def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int = 0,
+             feature_layers: tuple[int, ...] | None = None):
+    """A freshly initialised head of `kind` for a target of config `cfg` (ValueError naming a field it lacks).
+    An eagle3 head fuses `feature_layers` (default `eagle3_layers(cfg.num_layers)`)."""
     if kind == "medusa":
         check_config(cfg, "medusa")  # the heads are sized from cfg.hidden_size
         return MedusaHeads(cfg, num_heads)
     if kind == "eagle":
         check_config(cfg, "eagle")  # the head is a Llama decoder layer sized from the target's config
         return EagleHead(cfg, rngs=nnx.Rngs(seed))
-    raise ValueError(f"head kind={kind!r} must be 'medusa' or 'eagle'")
+    if kind == "eagle3":
+        check_config(cfg, "eagle3")
+        layers = eagle3_layers(cfg.num_layers) if feature_layers is None else tuple(feature_layers)
+        return Eagle3Head(cfg, layers, rngs=nnx.Rngs(seed))
+    raise ValueError(f"head kind={kind!r} must be 'medusa', 'eagle' or 'eagle3'")
 
 
 def _weights_file(path: str | Path) -> Path:
@@ -187,6 +235,8 @@ def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any
     _, state = nnx.split(head)
     save_file({k: v.astype(np.float16) for k, v in _flat(state).items()}, str(path))
     meta = {"kind": kind, "num_heads": getattr(head, "num_heads", None), **(metadata or {})}
+    if getattr(head, "feature_layers", ()):
+        meta["feature_layers"] = list(head.feature_layers)
     path.with_suffix(".json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return path
 
@@ -199,7 +249,9 @@ def load_head(path: str | Path, cfg: ModelConfig):
     if not path.exists():
         raise ValueError(f"head file {str(path)!r} does not exist")
     meta = json.loads(path.with_suffix(".json").read_text())
-    head = new_head(meta["kind"], cfg, num_heads=meta.get("num_heads") or 1)
+    layers = meta.get("feature_layers")
+    head = new_head(meta["kind"], cfg, num_heads=meta.get("num_heads") or 1,
+                    feature_layers=None if layers is None else tuple(layers))
     graphdef, state = nnx.split(head)
     stored = load_file(str(path))
     flat = dict(nnx.to_flat_state(state))

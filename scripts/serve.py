@@ -39,8 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV-cache slots per request: prompt + max_tokens + K + 1 must fit. Attention on CPU "
                         "reads all of them every step, so keep it near the longest request (default: %(default)s)")
     p.add_argument("--method", default="sam", choices=names(served=True),
-                   help="speculation method for requests that do not choose one; medusa, eagle and eagle2 use the "
-                        "heads shipped for the model (default: %(default)s)")
+                   help="speculation method for requests that do not choose one; medusa, eagle, eagle2 and eagle3 "
+                        "use the heads shipped for the model (default: %(default)s)")
     p.add_argument("--methods", default=None,
                    help="methods compiled in, comma-separated; a request may pick any of them. none, ngram and "
                         "sam mix freely; a head method is served alone beside none (default: none,ngram,sam, "
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="K, the most draft tokens per request and step (default: the method's, "
                         + ", ".join(f"{m} {METHODS[m].defaults['num_speculative_tokens']}"
                                     for m in names(served=True) if m != "none")
-                        + "; medusa and eagle2 count tree nodes)")
+                        + "; medusa, eagle2 and eagle3 count tree nodes)")
     p.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "off"],
                    help="when to speculate: adaptive (by load, switched off where measured slower), fixed "
                         "(always), off (never) (default: %(default)s)")

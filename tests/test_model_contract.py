@@ -66,7 +66,7 @@ def test_the_custom_model_meets_the_contract_of_every_method_but_eagle(gpt):
     for method in ("none", "ngram", "sam", "draft_model", "custom", "self_draft"):
         check_target(gpt, method, trace=False)
     # EAGLE's head is a Llama decoder layer sized from a Llama config, which a GPT config is not.
-    for method in ("eagle", "eagle2"):
+    for method in ("eagle", "eagle2", "eagle3"):
         with pytest.raises(ValueError, match=rf"method='{method}' needs cfg.intermediate_size"):
             check_target(gpt, method)
 
@@ -229,6 +229,22 @@ class NoNewCache(cm.GPT):
     new_cache = None
 
 
+class NoReturnLayers(jaxspec.models.llama.Llama):
+    """A Llama whose forward cannot hand out its layers' outputs (EAGLE-3's features)."""
+
+    def __call__(self, tokens, positions, cache, *, tree_mask=None, logits_at=None, compute_logits=True,
+                 attention_impl="xla", cached_slots=None):
+        return super().__call__(tokens, positions, cache, tree_mask=tree_mask, logits_at=logits_at,
+                                compute_logits=compute_logits, attention_impl=attention_impl,
+                                cached_slots=cached_slots)
+
+
+def _llama_without_return_layers():
+    cfg = jaxspec.models.config.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
+                                            num_heads=2, num_kv_heads=1, head_dim=16)
+    return NoReturnLayers(cfg, rngs=nnx.Rngs(0))
+
+
 def _without_layers():
     """The blocks kept under another name: nothing self_draft could shrink."""
     module = _gpt_with(None)
@@ -264,6 +280,7 @@ def _fewer_layers():
     (_without_layers, "self_draft", "method='self_draft' needs the attribute layers"),
     (_fewer_layers, "self_draft", r"method='self_draft' needs len\(layers\) == cfg.num_layers"),
     (lambda: _gpt_with(HFNamedConfig(), HFNamedGPT), "eagle", "method='eagle' needs cfg.hidden_size"),
+    (_llama_without_return_layers, "eagle3", "method='eagle3' needs the forward to take the keyword return_layers"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_check_target_names_what_is_missing(module, method, message):
     with pytest.raises(ValueError, match=message):
@@ -295,7 +312,8 @@ def test_self_draft_and_heads_refuse_a_model_lacking_their_part(tmp_path):
         jaxspec.generate(lm, [[1, 2, 3]], max_new_tokens=4, spec=SpecConfig(method="medusa", head_path=str(medusa)))
     # The readout the heads share: a model whose token embedding is called `wte` has no params['embed'].
     renamed = nnx.State({("wte" if k == "embed" else k): v for k, v in nnx.state(_gpt_with(None)).items()})
-    with pytest.raises(ValueError, match=r"a trained head \(medusa, eagle, eagle2\) needs the parameter 'embed'"):
+    with pytest.raises(ValueError, match=r"a trained head \(medusa, eagle, eagle2, eagle3\) needs the parameter "
+                                         r"'embed'"):
         Readout.of(renamed)
     with pytest.raises(ValueError, match="method='medusa' needs cfg.hidden_size"):
         check_config(HFNamedConfig(), "medusa")

@@ -18,7 +18,7 @@ from flax import nnx
 
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
-from jaxspec.models.heads import Readout
+from jaxspec.models.heads import Readout, eagle3_layers
 from jaxspec.proposers.base import Committed, Context, Draft
 from jaxspec.proposers.eagle import EagleProposer
 from jaxspec.tree import TreeTopology
@@ -113,7 +113,13 @@ HEAD_SPECS = [
     dict(method="eagle", num_speculative_tokens=4),
     dict(method="eagle", num_speculative_tokens=8, tree_depth=3, tree_top_k=3),
     dict(method="eagle2", num_speculative_tokens=9, tree_depth=4, tree_top_k=3),
+    dict(method="eagle3", num_speculative_tokens=9, tree_depth=4, tree_top_k=3),
 ]
+
+
+def _head_kind(method: str) -> str:
+    """The kind of head file a method runs."""
+    return method if method in ("medusa", "eagle3") else "eagle"
 
 
 def _head_spec_id(d):
@@ -122,7 +128,7 @@ def _head_spec_id(d):
 
 @pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=_head_spec_id)
 def test_head_proposers_greedy_equal_plain(tiny_lm, prompts, plain, head_files, spec_kwargs):
-    kind = "medusa" if spec_kwargs["method"] == "medusa" else "eagle"
+    kind = _head_kind(spec_kwargs["method"])
     spec = SpecConfig(head_path=str(head_files[kind]), **spec_kwargs)
     out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, spec=spec)
     assert out.token_ids == plain.token_ids
@@ -149,7 +155,7 @@ def test_head_proposers_seeded_sampling(tiny_lm, prompts, head_files, spec_kwarg
     """Trees of deterministic candidates follow plain sampling token for token (the point-mass rule); the
     EAGLE chain samples its drafts from q, so only its lengths and token range are checked here (its
     distribution is the chain sampler's, tested in test_rejection.py)."""
-    kind = "medusa" if spec_kwargs["method"] == "medusa" else "eagle"
+    kind = _head_kind(spec_kwargs["method"])
     sampling = [SamplingParams(temperature=0.9, top_k=20, seed=11), SamplingParams(),
                 SamplingParams(temperature=1.3, top_p=0.8, seed=4)]
     ref = jaxspec.generate(tiny_lm, prompts, max_new_tokens=30, sampling=sampling)
@@ -174,27 +180,31 @@ def _eagle_params(tiny_lm, head_file):
     return graphdef, {"head": state, "readout": Readout.of(tiny_lm.params)}
 
 
-def _prompt_ctx(tiny_lm, tokens):
-    """Context after a prefill of `tokens[:-1]` with `tokens[-1]` as the newest token (batch of 1)."""
+def _prompt_ctx(tiny_lm, tokens, layers=()):
+    """Context after a prefill of `tokens[:-1]` with `tokens[-1]` as the newest token (batch of 1); its
+    features are the final hidden states, or with `layers` those layers' outputs side by side (EAGLE-3)."""
     module = tiny_lm.module
     prompt = jnp.asarray([tokens[:-1]], jnp.int32)
     cache = module.new_cache(1, 64)
-    out, _ = module(prompt, jnp.arange(prompt.shape[1])[None], cache, compute_logits=False)
+    out, _ = module(prompt, jnp.arange(prompt.shape[1])[None], cache, compute_logits=False, return_layers=layers)
+    features = jnp.concatenate(out.layer_hidden, axis=-1) if layers else out.hidden
     history = jnp.asarray([tokens + [0] * (64 - len(tokens))], jnp.int32)
     ctx = Context(history=history, history_len=jnp.asarray([len(tokens)]), max_draft=jnp.asarray([8]),
                   sampling=SamplingParams().broadcast(1), positions=jnp.asarray([len(tokens) - 1]),
-                  features=out.hidden)
-    return ctx, out.hidden
+                  features=features)
+    return ctx, features
 
 
-def test_eagle_update_matches_a_fresh_prefill(tiny_lm, head_files):
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_update_matches_a_fresh_prefill(tiny_lm, head_files, kind):
     """The head's state after reading committed tokens with the target's features equals a prefill of the
-    longer prompt: the head cache stays in step with the target."""
-    graphdef, params = _eagle_params(tiny_lm, head_files["eagle"])
-    proposer = EagleProposer(4, graphdef, cache_len=64)
+    longer prompt: the head cache stays in step with the target (EAGLE-3: features fused from layers)."""
+    graphdef, params = _eagle_params(tiny_lm, head_files[kind])
+    layers = eagle3_layers(tiny_lm.config.num_layers) if kind == "eagle3" else ()
+    proposer = EagleProposer(4, graphdef, cache_len=64, feature_layers=layers)
     seq = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
-    short_ctx, _ = _prompt_ctx(tiny_lm, seq[:6])
-    long_ctx, long_hidden = _prompt_ctx(tiny_lm, seq)
+    short_ctx, _ = _prompt_ctx(tiny_lm, seq[:6], layers)
+    long_ctx, long_hidden = _prompt_ctx(tiny_lm, seq, layers)
     state = jax.jit(proposer.init)(params, short_ctx)
     # Committed: tokens seq[6:10] produced by the features at positions 5..8.
     committed = Committed(tokens=jnp.asarray([seq[6:10] + [-1]]), num=jnp.asarray([4]),

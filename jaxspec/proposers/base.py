@@ -61,7 +61,8 @@ class Context:
     positions: jax.Array  # i32[B]  position of each row's newest token (== its committed cache length)
     active: jax.Array | None = None  # bool[B]  rows still generating (None: all of them)
     # [B, P, D] the target's final hidden state at every prompt position, given to `init` of proposers with
-    # `needs_features` (EAGLE, Medusa); None elsewhere.
+    # `needs_features` (EAGLE, Medusa); [B, P, L*D] the outputs of the proposer's `feature_layers` side by side
+    # when it declares some (EAGLE-3); None elsewhere.
     features: jax.Array | None = None
     # each row's constraint state and the batch's automata (`jaxspec.constrained.ConstraintRows`) when rows
     # decode under constraints: a proposer may draft the tokens a constraint forces
@@ -75,7 +76,8 @@ class Committed:
     tokens: jax.Array  # i32[B, K+1]  -1 padded
     num: jax.Array  # i32[B]  in [0, K+1]
     # [B, K+1, D] for proposers with `needs_features`: features[:, j] is the target's hidden state at the fed
-    # token whose logits produced tokens[:, j] (the newest token for j = 0, then the accepted drafts).
+    # token whose logits produced tokens[:, j] (the newest token for j = 0, then the accepted drafts);
+    # [B, K+1, L*D] with `feature_layers`, as in Context.features.
     features: jax.Array | None = None
 
 
@@ -93,6 +95,8 @@ class Proposer(Protocol):
     num_speculative_tokens: int  # K, the static draft budget per step (tree proposers: non-root nodes)
     # Whether the loop hands the proposer the target's hidden states (Context.features at init,
     # Committed.features at update): heads draft from them; other proposers save the loop carrying them.
+    # A proposer may also declare `feature_layers: tuple[int, ...]`, decoder layers whose outputs it reads
+    # concatenated instead of the final hidden state (EAGLE-3; `jaxspec.decode.feature_layers`).
     needs_features: bool
     # The most drafts one step can accept: K for a chain, the depth for a tree. It sizes tree verification.
     max_depth: int

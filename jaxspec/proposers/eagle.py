@@ -1,4 +1,4 @@
-"""EAGLE: a one-layer head drafts autoregressively in the target's feature space (Li et al. 2024).
+"""EAGLE: a one-layer head drafts autoregressively in the target's feature space (Li et al. 2024; EAGLE-3, 2025).
 
 The design and its modes are described in docs/concepts/proposers.md.
 
@@ -19,6 +19,10 @@ positions); drafts write past it and are overwritten, like the target's rejected
   nodes by cumulative draft log-probability, each with its top-k children, for `depth` levels, then keep the
   K best nodes (`select_nodes`, closed under ancestors). Each level is one head forward over the frontier
   under a tree mask. Candidates are deterministic, so sampled rows use the point-mass rule (lossless).
+
+EAGLE-3 (`feature_layers` set, an `Eagle3Head`) drafts the same ways. The loop hands it the outputs of the
+target's low, middle and high layers side by side, [.., L*D], instead of the final hidden state, and the head
+fuses them to its feature (`target_features`) wherever the target's features enter: at init and update.
 
 Over a draft vocabulary (`SpecConfig(draft_vocab=N)`, `Readout.restrict`) each head forward scores N columns of
 the LM head instead of V, and candidates and samples map back to target ids. A sampled chain's q is then its
@@ -69,6 +73,7 @@ class EagleProposer:
     top_k: int = 0  # tree: frontier nodes per level, and children per frontier node
     topology: TreeTopology | None = None  # static: the tree
     needs_features: bool = True  # the loop passes the target's hidden states
+    feature_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers whose outputs the head fuses; () final
 
     def __post_init__(self):
         if self.mode not in ("chain", "static", "tree"):
@@ -118,7 +123,7 @@ class EagleProposer:
         # Pair i = (f_i, x_{i+1}); pairs past a row's prompt are padding the cache length never covers.
         embeds = params["readout"].embed_tokens(ctx.history[:, 1: width + 1])
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-        out, cache = head(embeds, ctx.features.astype(jnp.float32), positions, cache)
+        out, cache = head(embeds, head.target_features(ctx.features.astype(jnp.float32)), positions, cache)
         prompt_len = ctx.history_len - 1
         return EagleState(cache=cache.replace(lengths=prompt_len), pred=_take_rows(out, prompt_len - 1))
 
@@ -128,8 +133,8 @@ class EagleProposer:
         width = self.max_depth + 1  # a step commits at most max_depth drafts plus one token
         tokens, features = committed.tokens[:, :width], committed.features[:, :width]
         positions = state.cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
-        out, cache = head(params["readout"].embed_tokens(tokens), features.astype(jnp.float32), positions,
-                          state.cache)
+        out, cache = head(params["readout"].embed_tokens(tokens), head.target_features(features.astype(jnp.float32)),
+                          positions, state.cache)
         num = committed.num
         pred = jnp.where((num > 0)[:, None], _take_rows(out, jnp.maximum(num - 1, 0)), state.pred)
         return EagleState(cache=cache.advance(num), pred=pred)

@@ -61,6 +61,11 @@ class MixedProposer:
         return any(p.needs_features for p in self.proposers)
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The head member's (`jaxspec.decode.feature_layers`): which of the target's layers it reads."""
+        return next((tuple(getattr(p, "feature_layers", ())) for p in self.proposers if p.needs_features), ())
+
+    @property
     def max_depth(self) -> int:
         """The deepest member's: verification is sized for any row's choice."""
         return max(p.max_depth for p in self.proposers)
