@@ -2,10 +2,11 @@
 
     python -m jaxspec.train.eagle --help
     python -m jaxspec.train.medusa --help
+    python -m jaxspec.train.eagle3 --help
 
 Modules: `prompts` (HumanEval split, standard-library prompts), `data` (generation and on-disk shards),
 `batches` (resumable windows), `losses`, `evaluate`, `loop` (optimizer, step, checkpoints), `cli`, and one
-small module per head (`eagle`, `medusa`).
+small module per head (`eagle`, `eagle3`, `medusa`).
 """
 
 try:  # the [train] extra; the core install (`import jaxspec`, generation) needs none of these
@@ -18,10 +19,11 @@ except ImportError as e:
 from .batches import Batch, Batches, WindowSpec
 from .data import GenerationSettings, SelfDistillData, ensure_dataset
 from .eagle import EagleTask
+from .eagle3 import Eagle3Task
 from .loop import TrainConfig, TrainResult, evaluate_head, train
 from .medusa import MedusaTask
-from .prompts import humaneval_split, stdlib_prompts
+from .prompts import chat_prompts, humaneval_split, stdlib_prompts
 
-__all__ = ["Batch", "Batches", "EagleTask", "GenerationSettings", "MedusaTask", "SelfDistillData", "TrainConfig",
-           "TrainResult", "WindowSpec", "ensure_dataset", "evaluate_head", "humaneval_split", "stdlib_prompts",
-           "train"]
+__all__ = ["Batch", "Batches", "Eagle3Task", "EagleTask", "GenerationSettings", "MedusaTask", "SelfDistillData",
+           "TrainConfig", "TrainResult", "WindowSpec", "chat_prompts", "ensure_dataset", "evaluate_head",
+           "humaneval_split", "stdlib_prompts", "train"]

@@ -31,6 +31,9 @@ class Batch:
     label_ok: np.ndarray  # bool[B, W]  the token may serve as a label (generated, or any with include_prompt)
     inputs: np.ndarray  # bool[B, T]  the position is in the window's loss region
     positions: np.ndarray  # i32[B, T]  positions in the sequence (rotary positions of the head)
+    # f16[B, W, L*D]  the target's chosen decoder layers' outputs side by side (data made with feature_layers,
+    # read by EAGLE-3 heads); None when the data has none
+    layer_features: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +120,18 @@ class Batches:
         label_ok = np.zeros((B, W), bool)
         inputs = np.zeros((B, T), bool)
         positions = np.zeros((B, T), np.int32)
+        layers = len(self.data.feature_layers)
+        layer_features = np.zeros((B, W, layers * D), np.float16) if layers else None
         for r, w in enumerate(window_ids):
             seq, start, loss_from = (int(x) for x in self.windows[w])
             seq_tokens, seq_features, generated = self.data.sequence(seq)
             n = min(W, len(seq_tokens) - start)
             tokens[r, :n] = seq_tokens[start: start + n]
             features[r, :n] = seq_features[start: start + n]
+            if layer_features is not None:
+                layer_features[r, :n] = self.data.layer_features(seq)[start: start + n]
             label_ok[r, :n] = True if spec.include_prompt else generated[start: start + n]
             inputs[r, loss_from:] = True
             positions[r] = start + np.arange(T)
-        return Batch(tokens=tokens, features=features, label_ok=label_ok, inputs=inputs, positions=positions)
+        return Batch(tokens=tokens, features=features, label_ok=label_ok, inputs=inputs, positions=positions,
+                     layer_features=layer_features)

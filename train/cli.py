@@ -66,17 +66,22 @@ def build_parser(kind: str, *, defaults: dict, add_options: Callable, descriptio
                         f"head.json); training resumes from its latest checkpoint "
                         f"(default: checkpoints/<model>-{kind})")
     g.add_argument("--data", default=None,
-                   help="self-distillation data directory, shared by both trainers: train/ and heldout/ are "
+                   help="self-distillation data directory, shared by the trainers: train/ and heldout/ are "
                         "generated on first use and reused while model, prompts and generation settings match "
-                        "(default: checkpoints/data/<model>-selfdistill)")
+                        "(default: checkpoints/data/<model>-selfdistill, or <model>-selfdistill-layers for heads "
+                        "that read several layers' features (eagle3))")
     g.add_argument("--ship", action="store_true",
                    help=f"also export the head to models/weights/<model>.{kind}.safetensors, where generation "
                         f"finds it by model name")
 
     g = p.add_argument_group("self-distillation data (changing these needs a new --data directory)")
-    g.add_argument("--stdlib-prompts", type=nonnegative(int), default=24,
+    g.add_argument("--stdlib-prompts", type=nonnegative(int), default=defaults.get("stdlib_prompts", 24),
                    help="documented functions of the installed standard library added to the 123 training "
                         "prompts of HumanEval as completion prompts (default: %(default)s)")
+    g.add_argument("--chat-prompts", type=nonnegative(int), default=defaults.get("chat_prompts", 0),
+                   help="chat requests (rendered with the model's chat template) about HumanEval training prompts, "
+                        "then standard-library functions, added to the prompts, so the head learns the target's "
+                        "chat answers too (default: %(default)s)")
     g.add_argument("--gen-tokens", type=positive(int), default=128,
                    help="tokens the target generates per prompt (fewer where it stops at EOS) (default: %(default)s)")
     g.add_argument("--temperature", type=nonnegative(float), default=0.0,
@@ -213,8 +218,10 @@ def run(kind: str, args, task: HeadTask, config: TrainConfig, *, command: str, d
     lm = jaxspec.load_model(args.model)
     model = Path(str(args.model)).stem if Path(str(args.model)).exists() else str(args.model)
     out = Path(args.out or f"checkpoints/{model}-{kind}")
-    data_dir = Path(args.data or f"checkpoints/data/{model}-selfdistill")
-    settings = GenerationSettings(gen_tokens=args.gen_tokens, temperature=args.temperature, gen_batch=args.gen_batch)
+    layers = task.feature_layers(lm.config)
+    data_dir = Path(args.data or f"checkpoints/data/{model}-selfdistill{'-layers' if layers else ''}")
+    settings = GenerationSettings(gen_tokens=args.gen_tokens, temperature=args.temperature, gen_batch=args.gen_batch,
+                                  feature_layers=layers)
     train_prompts, held_out = humaneval_split()
     readout = Readout.of(lm.params)
 
@@ -268,11 +275,8 @@ def _train(lm, task: HeadTask, readout, train_prompts, data_dir: Path, settings,
     """Training data (generated or reused), then training: (head, step, metadata, the final config)."""
     from .batches import Batches, WindowSpec
     from .loop import train
-    from .prompts import stdlib_prompts
-
-    extra = stdlib_prompts(args.stdlib_prompts)
-    data = _dataset(lm, train_prompts + extra, data_dir / TRAIN_DIR,
-                    {"humaneval-train": len(train_prompts), "stdlib": len(extra)}, settings, args, parser)
+    prompts, sources = training_prompts(lm, train_prompts, stdlib=args.stdlib_prompts, chat=args.chat_prompts)
+    data = _dataset(lm, prompts, data_dir / TRAIN_DIR, sources, settings, args, parser)
     spec = WindowSpec(seq_len=config.seq_len, context=task.context, lookahead=task.lookahead,
                       include_prompt=config.include_prompt)
     batches = Batches(data, spec, config.batch_size, seed=config.seed)
@@ -293,6 +297,23 @@ def _train(lm, task: HeadTask, readout, train_prompts, data_dir: Path, settings,
     except ValueError as e:  # checkpoints of a run with other settings
         parser.error(str(e))
     return result.head, result.step, {"train": config.identity(), "data": {"train": data.summary()}}, config
+
+
+def training_prompts(lm, train_prompts: list[str], *, stdlib: int, chat: int) -> tuple[list[str], dict[str, int]]:
+    """(prompts, sources) of the training data: HumanEval's training split, `stdlib` standard-library functions
+    and `chat` chat requests (`prompts.chat_prompts`); the chat source is named only when there is one, so
+    data made before it still matches."""
+    from .prompts import chat_prompts, stdlib_prompts
+
+    extra = stdlib_prompts(stdlib)
+    sources = {"humaneval-train": len(train_prompts), "stdlib": len(extra)}
+    asks: list[str] = []
+    if chat:
+        if lm.tokenizer is None or lm.tokenizer.chat_template is None:
+            raise ValueError(f"--chat-prompts {chat} needs a tokenizer with a chat template; {lm.name!r} has none")
+        asks = chat_prompts(lambda m: lm.tokenizer.apply_chat_template(m, add_generation_prompt=True), chat)
+        sources["chat"] = len(asks)
+    return train_prompts + extra + asks, sources
 
 
 def _evaluate_and_export(kind: str, lm, task: HeadTask, head, step, metadata: dict, readout, held_data, held_out,

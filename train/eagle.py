@@ -50,6 +50,9 @@ class EagleTask:
         if self.eval_depth < 1:
             raise ValueError(f"eval_depth={self.eval_depth!r} must be >= 1")
 
+    def feature_layers(self, cfg: ModelConfig) -> tuple[int, ...]:
+        return ()  # the target's final hidden state only
+
     def new_head(self, cfg: ModelConfig, seed: int) -> EagleHead:
         return EagleHead(cfg, rngs=nnx.Rngs(seed))
 
@@ -74,24 +77,24 @@ class EagleTask:
 DEFAULTS = dict(seq_len=144, batch_size=4, steps=200, lr=1e-3, warmup_steps=20, weight_decay=0.0, clip=0.5)
 
 
-def add_options(parser: argparse.ArgumentParser):
+def add_options(parser: argparse.ArgumentParser, defaults: EagleTask = EagleTask()):
     g = parser.add_argument_group("EAGLE head")
-    g.add_argument("--w-cls", type=cli.nonnegative(float), default=EagleTask.w_cls,
+    g.add_argument("--w-cls", type=cli.nonnegative(float), default=defaults.w_cls,
                    help="weight of the token loss (soft-label cross-entropy against the target's next-token "
                         "distribution) added to the SmoothL1 feature loss (default: %(default)s, the EAGLE paper's)")
-    g.add_argument("--noise", type=cli.nonnegative(float), default=EagleTask.noise,
+    g.add_argument("--noise", type=cli.nonnegative(float), default=defaults.noise,
                    help="half-width of the uniform noise U(-noise, noise) added to the input features while "
                         "training, so the head copes with its own imperfect features when drafting; 0 disables "
                         "(default: %(default)s; the features are RMS-normed, elements of order 1)")
-    g.add_argument("--context", type=cli.nonnegative(int), default=EagleTask.context,
+    g.add_argument("--context", type=cli.nonnegative(int), default=defaults.context,
                    help="positions at the start of each window that only serve as attention context (they "
                         "precede the window's loss region); must be below --seq-len (default: %(default)s)")
-    g.add_argument("--unroll", type=cli.positive(int), default=EagleTask.unroll,
+    g.add_argument("--unroll", type=cli.positive(int), default=defaults.unroll,
                    help="drafting steps trained at every position: 1 trains on the target's features only "
                         "(EAGLE-1/2); N > 1 also runs steps 2..N from the head's own predicted features, as "
                         "drafting does (HASS, EAGLE-3's training-time test), at about N times the cost of a "
                         "step (default: %(default)s)")
-    g.add_argument("--unroll-decay", type=cli.positive(float), default=EagleTask.unroll_decay,
+    g.add_argument("--unroll-decay", type=cli.positive(float), default=defaults.unroll_decay,
                    help="weight of drafting step s's loss is DECAY ** (s - 1) (default: %(default)s)")
 
 

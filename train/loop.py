@@ -41,6 +41,8 @@ class HeadTask(Protocol):
     context: int  # window positions before the loss region
     lookahead: int  # positions past a window its labels read
 
+    def feature_layers(self, cfg: ModelConfig) -> tuple[int, ...]: ...  # decoder layers the data records
+
     def new_head(self, cfg: ModelConfig, seed: int) -> nnx.Module: ...
 
     def loss(self, head, readout: Readout, batch: Batch, key: jax.Array) -> tuple[jax.Array, dict]: ...

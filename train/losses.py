@@ -25,11 +25,24 @@ def shift(x: jax.Array, fill) -> jax.Array:
     return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
 
 
+def head_inputs(head: EagleHead, batch: Batch) -> jax.Array:
+    """f32[B, T, D]: the feature the head reads at each window position from the target: its final hidden
+    state (EAGLE), or its chosen layers' outputs fused by the head (EAGLE-3, `Eagle3Head.target_features`)."""
+    T = batch.inputs.shape[1]
+    if not head.feature_layers:
+        return batch.features[:, :T].astype(jnp.float32)
+    if batch.layer_features is None:
+        raise ValueError(f"this head reads the target's layers {head.feature_layers}; the data has no layer "
+                         f"features (generate it with feature_layers)")
+    return head.target_features(batch.layer_features[:, :T].astype(jnp.float32))
+
+
 def eagle_chains(head: EagleHead, readout: Readout, batch: Batch, *, depth: int,
                  first: jax.Array | None = None) -> jax.Array:
     """f32[depth, B, T, D]: step s's predicted feature (s = 1..depth) of the chain ending at pair j.
 
-    A chain starts at pair t with the target's features (or `first` [B, T, D], e.g. noised ones): step 1
+    A chain starts at pair t with the target's features as the head reads them (`head_inputs`; or `first`
+    [B, T, D], e.g. noised ones): step 1
     at j = t predicts f_{t+1}; step s >= 2 at j = t + s - 1 reads the head's own step-(s - 1) prediction
     from j - 1 and the true token x_{j+1} (the tokens a greedy chain feeds while its drafts are being
     accepted). All chains run at once: step s writes its pairs into block s - 1 of a cache of depth * T
@@ -42,7 +55,7 @@ def eagle_chains(head: EagleHead, readout: Readout, batch: Batch, *, depth: int,
     block, col = slots // T, slots % T  # [S]
     j = jnp.arange(T)[:, None]  # [T, 1]
     cache = head.new_cache(B, depth * T)
-    feature = batch.features[:, :T].astype(jnp.float32) if first is None else first
+    feature = head_inputs(head, batch) if first is None else first
     preds = []
     for s in range(1, depth + 1):
         visible = jnp.where(block == 0, col <= j - s + 1, (block < s) & (col == j - s + block + 1))  # [T, S]
@@ -55,8 +68,9 @@ def eagle_chains(head: EagleHead, readout: Readout, batch: Batch, *, depth: int,
 
 
 def eagle_loss(head: EagleHead, readout: Readout, batch: Batch, key: jax.Array, *, w_cls: float = 0.1,
-               noise: float = 0.0, unroll: int = 1, unroll_decay: float = 1.0) -> tuple[jax.Array, dict]:
-    """EAGLE: SmoothL1 (beta 1) on the next feature + w_cls * soft-label cross-entropy on its token.
+               w_reg: float = 1.0, noise: float = 0.0, unroll: int = 1,
+               unroll_decay: float = 1.0) -> tuple[jax.Array, dict]:
+    """EAGLE: w_reg * SmoothL1 (beta 1) on the next feature + w_cls * soft-label cross-entropy on its token.
 
     Pair j reads (f_j, embedding of x_{j+1}) and predicts f_{j+1}; the label distribution is the target's own,
     softmax(readout.logits(f_{j+1})), the distribution of x_{j+2}. `noise` adds U(-noise, noise) to the input
@@ -67,14 +81,19 @@ def eagle_loss(head: EagleHead, readout: Readout, batch: Batch, key: jax.Array, 
     "training-time test". Teacher-forced training (unroll 1) never shows the head its own features, and
     held-out accuracy drops from step 1 to step 2 by a third. Step s's loss is weighted unroll_decay**(s-1)
     and counts where the chain's start and every label along it count; gradients flow through the chain.
+
+    EAGLE-3 (w_reg 0, w_cls 1): the head's output is never compared with a target feature, only its tokens
+    are; the input features are the fused layer outputs (`head_inputs`).
     """
     B, T = batch.inputs.shape
-    features = batch.features.astype(jnp.float32)
-    f_in, f_next = features[:, :T], features[:, 1:T + 1]  # [B, T, D]
+    f_in = head_inputs(head, batch)  # [B, T, D]
+    f_next = batch.features[:, 1:T + 1].astype(jnp.float32)  # [B, T, D]: the target's final features
     if noise > 0:
         f_in = f_in + jax.random.uniform(key, f_in.shape, minval=-noise, maxval=noise)
     target_logits = jax.lax.stop_gradient(readout.logits(f_next))  # f32[B, T, V]: the target's x_{j+2}
     target_probs = jax.nn.softmax(target_logits, axis=-1)
+    # The target's own entropy: the floor of the token loss, so cls - entropy (the KL) is what training can reduce.
+    entropy = -jnp.sum(target_probs * jax.nn.log_softmax(target_logits, axis=-1), axis=-1)  # [B, T]
     target_tokens = jnp.argmax(target_logits, -1)  # [B, T]
     ok = batch.inputs & batch.label_ok[:, 1:T + 1]  # [B, T]
 
@@ -85,9 +104,10 @@ def eagle_loss(head: EagleHead, readout: Readout, batch: Batch, key: jax.Array, 
         reg = jnp.mean(optax.huber_loss(pred, f_next, delta=1.0), axis=-1)  # [B, T]
         logits = readout.logits(pred)  # f32[B, T, V]
         cls = optax.softmax_cross_entropy(logits, target_probs)  # [B, T]
-        step_loss = _masked_mean(reg + w_cls * cls, mask)
+        step_loss = _masked_mean(w_reg * reg + w_cls * cls, mask)
         loss = loss + unroll_decay ** (s - 1) * step_loss
         per_step.append({"loss": step_loss, "reg": _masked_mean(reg, mask), "cls": _masked_mean(cls, mask),
+                         "kl": _masked_mean(cls - entropy, mask),
                          "accuracy": _masked_mean(jnp.argmax(logits, -1) == target_tokens, mask),
                          "tokens": jnp.sum(mask)})
     metrics = dict(per_step[0], loss=loss)

@@ -45,6 +45,9 @@ class MedusaTask:
     def lookahead(self) -> int:
         return self.num_heads + 1  # head M - 1 at the window's last position reads the token M + 1 later
 
+    def feature_layers(self, cfg: ModelConfig) -> tuple[int, ...]:
+        return ()  # the target's final hidden state only
+
     def new_head(self, cfg: ModelConfig, seed: int) -> MedusaHeads:
         return MedusaHeads(cfg, self.num_heads)  # zero-initialised: no randomness
 

