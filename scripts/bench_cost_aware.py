@@ -29,15 +29,12 @@ CONFIGS = {
     "sam": SpecConfig(method="sam"),
     "sam cost-aware": SpecConfig(method="sam", cost_aware=True),
 }
-CHAT_ASK = "Here is the start of a Python function. Explain what it must do, then write the whole function.\n\n"
 
 
-def prompts_for(workload: str, tokenizer, limit: int) -> list[list[int]]:
-    texts = workloads.held_out_texts(limit)
+def prompts_for(workload: str, tokenizer, limit: int) -> list:
     if workload == "held-out":
-        return [tokenizer.encode(t) for t in texts]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": CHAT_ASK + t}], add_generation_prompt=True)
-            for t in texts]
+        return workloads.held_out_prompts(tokenizer, limit)
+    return workloads.held_out_chat_texts(tokenizer, limit)
 
 
 def batches_of(prompts: list, size: int) -> list[list]:

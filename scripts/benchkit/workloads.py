@@ -5,6 +5,8 @@
   template. The model writes new code: little of the output is in the prompt.
 * held-out: the free-form prompts that head training never sees (HumanEval/0, /4, /8, ...: the split
   `jaxspec.train.prompts.humaneval_split` makes), for benchmarks of the trained heads.
+* held-out-chat: the same held-out prompts asked in a chat (rendered with the model's chat template): "explain
+  what it must do, then write the whole function" (CHAT_ASK).
 * extractive: chat requests about a complete HumanEval function (prompt + canonical solution) whose answer
   mostly copies the input: rename a variable, add type hints, add a docstring, re-indent. Where lookup
   proposers (n-gram, suffix automaton) should shine.
@@ -54,6 +56,19 @@ def held_out_texts(limit: int | None = None) -> list[str]:
 
 def held_out_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
     return [tokenizer.encode(t) for t in held_out_texts(limit)]
+
+
+CHAT_ASK = "Here is the start of a Python function. Explain what it must do, then write the whole function.\n\n"
+
+
+def held_out_chat_texts(tokenizer, limit: int | None = None) -> list[str]:
+    """The held-out prompts asked in a chat (CHAT_ASK + the prompt), rendered up to the assistant's turn."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": CHAT_ASK + t}], add_generation_prompt=True)
+            for t in held_out_texts(limit)]
+
+
+def held_out_chat_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
+    return [tokenizer.encode(t) for t in held_out_chat_texts(tokenizer, limit)]
 
 
 def _entry_function(tree: ast.Module, name: str) -> ast.FunctionDef:
@@ -151,7 +166,8 @@ def extractive_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
     return [tokenizer.encode(t) for t in extractive_texts(tokenizer, limit)]
 
 
-WORKLOADS = {"free-form": free_form_prompts, "held-out": held_out_prompts, "extractive": extractive_prompts}
+WORKLOADS = {"free-form": free_form_prompts, "held-out": held_out_prompts, "held-out-chat": held_out_chat_prompts,
+             "extractive": extractive_prompts}
 
 
 def load_workload(name: str, tokenizer, limit: int | None = None) -> list[list[int]]:
