@@ -18,11 +18,21 @@ except ImportError as e:
 
 from .batches import Batch, Batches, WindowSpec
 from .data import GenerationSettings, SelfDistillData, ensure_dataset
-from .eagle import EagleTask
-from .eagle3 import Eagle3Task
 from .loop import TrainConfig, TrainResult, evaluate_head, train
-from .medusa import MedusaTask
 from .prompts import chat_prompts, humaneval_split, stdlib_prompts
+
+# The task classes live in the modules `python -m jaxspec.train.<kind>` runs. Importing them here, eagerly, would
+# load each such module once as part of the package and again as __main__ (runpy warns about it); they load on
+# first use instead.
+_TASKS = {"EagleTask": ".eagle", "Eagle3Task": ".eagle3", "MedusaTask": ".medusa"}
+
+
+def __getattr__(name: str):
+    if name in _TASKS:
+        import importlib
+
+        return getattr(importlib.import_module(_TASKS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["Batch", "Batches", "Eagle3Task", "EagleTask", "GenerationSettings", "MedusaTask", "SelfDistillData",
            "TrainConfig", "TrainResult", "WindowSpec", "chat_prompts", "ensure_dataset", "evaluate_head",
