@@ -98,9 +98,10 @@ def add_options(parser: argparse.ArgumentParser, defaults: EagleTask = EagleTask
                    help="weight of drafting step s's loss is DECAY ** (s - 1) (default: %(default)s)")
 
 
-def make_task(args: argparse.Namespace) -> EagleTask:
-    return EagleTask(w_cls=args.w_cls, noise=args.noise, context=args.context, unroll=args.unroll,
-                     unroll_decay=args.unroll_decay, eval_depth=args.eval_k)
+def make_task(args: argparse.Namespace, task_class: type[EagleTask] = EagleTask) -> EagleTask:
+    """The task of the parsed options (`task_class`: EagleTask, or a variant with the same options)."""
+    return task_class(w_cls=args.w_cls, noise=args.noise, context=args.context, unroll=args.unroll,
+                      unroll_decay=args.unroll_decay, eval_depth=args.eval_k)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from jaxspec.models.heads import Eagle3Head, eagle3_layers
 from . import cli
 from .eagle import EagleTask
 from .eagle import add_options as add_eagle_options
+from .eagle import make_task as make_eagle_task
 from .losses import eagle_loss
 
 
@@ -63,8 +64,7 @@ def add_options(parser: argparse.ArgumentParser):
 
 
 def make_task(args: argparse.Namespace) -> Eagle3Task:
-    return Eagle3Task(w_cls=args.w_cls, noise=args.noise, context=args.context, unroll=args.unroll,
-                      unroll_decay=args.unroll_decay, eval_depth=args.eval_k)
+    return make_eagle_task(args, Eagle3Task)
 
 
 def main(argv: list[str] | None = None) -> int:
