@@ -20,6 +20,7 @@ CONFIGS = {
     "eagle": (dict(method="eagle"), 1.4),
     "eagle-static": (dict(method="eagle", num_speculative_tokens=15, tree_depth=5, tree_top_k=3), 1.5),
     "eagle2": (dict(method="eagle2"), 1.6),
+    "eagle3": (dict(method="eagle3"), 1.6),
 }
 
 
@@ -37,7 +38,7 @@ def plain(smollm2, held_out):
 
 
 def test_shipped_heads_are_found_by_name(smollm2):
-    for kind in ("medusa", "eagle"):
+    for kind in ("medusa", "eagle", "eagle3"):
         path = named_head_path(smollm2.name, kind)
         assert path.exists() and path.with_suffix(".json").exists()
 
@@ -54,6 +55,21 @@ def test_shipped_tree_heads_follow_plain_sampling(smollm2, held_out):
     """Trees of top-k candidates verified by the point-mass rule replay plain sampling exactly."""
     sampling = [SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0.8, top_p=0.9, seed=8)]
     ref = jaxspec.generate(smollm2, held_out, max_new_tokens=32, sampling=sampling)
-    for kwargs in (dict(method="eagle2"), dict(method="medusa")):
+    for kwargs in (dict(method="eagle2"), dict(method="medusa"), dict(method="eagle3")):
         out = jaxspec.generate(smollm2, held_out, max_new_tokens=32, sampling=sampling, spec=SpecConfig(**kwargs))
         assert out.token_ids == ref.token_ids, kwargs
+
+
+def test_shipped_eagle3_head_on_a_chat_prompt(smollm2):
+    """The EAGLE-3 head was trained on chat answers too: on a held-out task asked in a chat (the model's chat
+    template) it stays lossless and its drafts are accepted."""
+    from jaxspec.train.data import humaneval_split
+
+    _, prompts = humaneval_split()
+    ask = "Here is the start of a Python function. Explain what it must do, then write the whole function.\n\n"
+    chat = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": ask + prompts[3]}],
+                                                 add_generation_prompt=True)
+    plain = jaxspec.generate(smollm2, [chat], max_new_tokens=NEW_TOKENS)
+    out = jaxspec.generate(smollm2, [chat], max_new_tokens=NEW_TOKENS, spec=SpecConfig(method="eagle3"))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted > 0 and out.stats.mean_acceptance_length >= 1.5, out.stats.mean_acceptance_length

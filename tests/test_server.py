@@ -447,10 +447,11 @@ def test_metrics_parse_and_count(server):
     assert m["jaxspec_spec_mean_acceptance_length"] >= 1.0
 
 
-def test_a_trained_head_is_served(smollm2, humaneval_prompts, tmp_path):
-    """`serve.py --method eagle2`: the shipped EAGLE head drafts dynamic trees for a greedy request, which
+@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
+def test_a_trained_head_is_served(smollm2, humaneval_prompts, tmp_path, method):
+    """`serve.py --method eagle2` (or eagle3): the shipped head drafts dynamic trees for a greedy request, which
     still gets exactly the offline text."""
-    args = ["--method", "eagle2", "--max-slots", "1", "--cache-len", "256", "--policy", "fixed", "--no-warmup"]
+    args = ["--method", method, "--max-slots", "1", "--cache-len", "256", "--policy", "fixed", "--no-warmup"]
     with _serving(args, tmp_path / "serve.log") as running:
         client = openai.OpenAI(base_url=running["url"] + "/v1", api_key="unused", max_retries=0, timeout=900)
         prompt = humaneval_prompts[2]
