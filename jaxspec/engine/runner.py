@@ -22,7 +22,7 @@ import numpy as np
 from ..config import SamplingParams, SpecConfig
 from ..constrained import ConstraintRows, ForcedTokenProposer
 from ..constraints import FREE, stack
-from ..decode import DecodeState, RowLimits, SpecCounters, decode_chunk, prefill
+from ..decode import DecodeState, RowLimits, SpecCounters, decode_chunk, pinned, prefill
 from ..generation import default_attention_impl
 from ..limits import stop_table
 from ..logprobs import TokenLogprob, to_host, window
@@ -218,13 +218,15 @@ class Runner:
         return [FREE if automata[s] is None else self._stack_initial[id(automata[s])] for s in slots_]
 
     def empty_state(self, n: int) -> DecodeState:
-        """n finished rows: copies of a one-token prefill (a valid proposer state too), marked done."""
+        """n finished rows: copies of a one-token prefill (a valid proposer state too), marked done, laid out on
+        the model's mesh as the decode loop lays out its state (the one row's copies would otherwise sit whole
+        on every device until the next chunk re-lays them)."""
         if self._empty_row is None:
             limits = RowLimits(max_new_tokens=jnp.ones((1,), jnp.int32),
                                stop_ids=jnp.full((1, MAX_STOP_IDS), -1, jnp.int32))
             self._empty_row = self.prefill(jnp.zeros((1, BUCKET_MIN), jnp.int32), jnp.ones((1,), jnp.int32),
                                            SamplingParams().broadcast(1), limits, wants_logprobs=False)
-        return slots.empty_state(self._empty_row, n)
+        return pinned(slots.empty_state(self._empty_row, n))
 
     def reset(self, n: int) -> None:
         """Start over from n finished rows (its step counter at 0)."""
