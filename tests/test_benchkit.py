@@ -141,7 +141,15 @@ def test_free_form_and_extractive_loaders():
     requests = workloads.extractive_requests(4)
     assert [r["kind"] for r in requests] == list(workloads.EXTRACTIVE_KINDS)
     assert all(r["code"].strip() in r["message"] for r in requests)
-    assert set(workloads.WORKLOADS) == {"free-form", "held-out", "extractive"}
+    assert set(workloads.WORKLOADS) == {"free-form", "held-out", "held-out-chat", "extractive"}
+
+    class Template:  # renders a chat as text, as a tokenizer's chat template does
+        def apply_chat_template(self, messages, add_generation_prompt):
+            assert add_generation_prompt and len(messages) == 1 and messages[0]["role"] == "user"
+            return "<user>" + messages[0]["content"] + "<assistant>"
+
+    chats = workloads.held_out_chat_texts(Template(), 2)
+    assert chats == ["<user>" + workloads.CHAT_ASK + t + "<assistant>" for t in workloads.held_out_texts(2)]
     with pytest.raises(ValueError, match="workload='nope'"):
         workloads.load_workload("nope", tokenizer=None)
 
