@@ -198,8 +198,8 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     # Prefill keeps the XLA attention: the kernel is built for the few new tokens of a verification step.
     layers = feature_layers(proposer)
     out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla",
-                       cached_slots=0, **_layer_request(layers))
-    # (the features hold every prompt position's, which EAGLE and Medusa heads start from)
+                       cached_slots=0, **layer_request(layers))
+    # (the features cover every prompt position: EAGLE and Medusa heads start from them)
     logits, hidden = out.logits, _target_features(out, layers)
     if group_size > 1:  # one forward per prompt, its cache and outputs copied into the group's rows
         logits, hidden, prompts, prompt_lens, cache = jax.tree.map(
@@ -299,7 +299,7 @@ def feature_layers(proposer) -> tuple[int, ...] | None:
     return tuple(getattr(proposer, "feature_layers", ()))
 
 
-def _layer_request(layers: tuple[int, ...] | None) -> dict:
+def layer_request(layers: tuple[int, ...] | None) -> dict:
     """The forward's keyword asking for decoder layers' outputs, only when some are wanted: a target without
     `return_layers` then serves every other method."""
     return {"return_layers": layers} if layers else {}
@@ -336,7 +336,7 @@ def _forward(model, fed: jax.Array, positions: jax.Array, cache: KVCache, tree_m
              attention_impl: str, defer: bool, layers: tuple[int, ...] | None):
     """The target forward of a verify step: (output, the cache with the fed tokens' K/V written), or with
     `defer` (output, a cache of `width` slots holding just their K/V), written by `_write_deferred`."""
-    extra = _layer_request(layers)
+    extra = layer_request(layers)
     if defer:
         extra["write_cache"] = False
     return model(fed, positions, cache, tree_mask=tree_mask, attention_impl=attention_impl, **extra)

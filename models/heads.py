@@ -179,8 +179,9 @@ class Eagle3Head(EagleHead):
                              f"{cfg.num_layers}-layer model")
         d, n = cfg.hidden_size, len(feature_layers)
         self.feature_layers = tuple(int(i) for i in feature_layers)
-        # Each layer's output is RMS-normed on its own first: mid-stack residual streams carry a few huge
-        # coordinates (hundreds, against ~1 at the ends), so raw concatenation would drown the others.
+        # Each layer's output is RMS-normed on its own first: the residual stream grows with depth (SmolLM2-135M
+        # on held-out text: median RMS 3.3, 7.1 and 26 at layers 2, 15 and 27, single coordinates up to ~24,000),
+        # so in a raw concatenation the deepest layer's scale would dominate.
         self.fuse_norm = nnx.Param(jnp.ones((n, d), jnp.float32))  # [L, D] each layer's norm scale
         self.fuse = _dense_init(rngs, (d, n * d), jnp.float32)  # [D, L*D]
 

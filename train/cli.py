@@ -275,7 +275,10 @@ def _train(lm, task: HeadTask, readout, train_prompts, data_dir: Path, settings,
     """Training data (generated or reused), then training: (head, step, metadata, the final config)."""
     from .batches import Batches, WindowSpec
     from .loop import train
-    prompts, sources = training_prompts(lm, train_prompts, stdlib=args.stdlib_prompts, chat=args.chat_prompts)
+    try:
+        prompts, sources = training_prompts(lm, train_prompts, stdlib=args.stdlib_prompts, chat=args.chat_prompts)
+    except ValueError as e:  # --chat-prompts for a model without a chat template
+        parser.error(str(e))
     data = _dataset(lm, prompts, data_dir / TRAIN_DIR, sources, settings, args, parser)
     spec = WindowSpec(seq_len=config.seq_len, context=task.context, lookahead=task.lookahead,
                       include_prompt=config.include_prompt)

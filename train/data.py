@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 import jaxspec
 from jaxspec import SamplingParams
+from jaxspec.decode import layer_request
 from jaxspec.generation import normalise_prompts
 from jaxspec.models.loading import LanguageModel
 
@@ -120,7 +121,7 @@ def _features(graphdef, params, tokens: jax.Array, layers: tuple[int, ...]) -> t
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     out, _ = model(tokens, positions, model.new_cache(batch, width), compute_logits=False, cached_slots=0,
-                   return_layers=layers)
+                   **layer_request(layers))  # the keyword only when asked: any target makes EAGLE/Medusa data
     stacked = jnp.concatenate(out.layer_hidden, axis=-1).astype(jnp.float16) if layers else None
     return out.hidden.astype(jnp.float16), stacked
 
