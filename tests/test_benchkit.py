@@ -149,7 +149,8 @@ def test_free_form_and_extractive_loaders():
             return "<user>" + messages[0]["content"] + "<assistant>"
 
     chats = workloads.held_out_chat_texts(Template(), 2)
-    assert chats == ["<user>" + workloads.CHAT_ASK + t + "<assistant>" for t in workloads.held_out_texts(2)]
+    assert chats == ["<user>" + workloads.chat_ask(t) + "<assistant>" for t in workloads.held_out_texts(2)]
+    assert workloads.chat_ask("def f():\n").startswith("Here is the start of a Python function. Explain what it")
     with pytest.raises(ValueError, match="workload='nope'"):
         workloads.load_workload("nope", tokenizer=None)
 

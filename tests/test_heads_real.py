@@ -63,12 +63,11 @@ def test_shipped_tree_heads_follow_plain_sampling(smollm2, held_out):
 def test_shipped_eagle3_head_on_a_chat_prompt(smollm2):
     """The EAGLE-3 head was trained on chat answers too: on a held-out task asked in a chat (the model's chat
     template) it stays lossless and its drafts are accepted."""
-    from jaxspec.train.data import humaneval_split
+    from jaxspec.train.prompts import CHAT_REQUESTS, humaneval_split
 
     _, prompts = humaneval_split()
-    ask = "Here is the start of a Python function. Explain what it must do, then write the whole function.\n\n"
-    chat = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": ask + prompts[3]}],
-                                                 add_generation_prompt=True)
+    ask = CHAT_REQUESTS[0].format(code=prompts[3])  # the benchmark's chat wording, about a held-out task
+    chat = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True)
     plain = jaxspec.generate(smollm2, [chat], max_new_tokens=NEW_TOKENS)
     out = jaxspec.generate(smollm2, [chat], max_new_tokens=NEW_TOKENS, spec=SpecConfig(method="eagle3"))
     assert out.token_ids == plain.token_ids

@@ -6,7 +6,8 @@
 * held-out: the free-form prompts that head training never sees (HumanEval/0, /4, /8, ...: the split
   `jaxspec.train.prompts.humaneval_split` makes), for benchmarks of the trained heads.
 * held-out-chat: the same held-out prompts asked in a chat (rendered with the model's chat template): "explain
-  what it must do, then write the whole function" (CHAT_ASK).
+  what it must do, then write the whole function", the wording of the first of the chat requests head training
+  asks about its own tasks (`jaxspec.train.prompts.CHAT_REQUESTS`).
 * extractive: chat requests about a complete HumanEval function (prompt + canonical solution) whose answer
   mostly copies the input: rename a variable, add type hints, add a docstring, re-indent. Where lookup
   proposers (n-gram, suffix automaton) should shine.
@@ -58,12 +59,16 @@ def held_out_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
     return [tokenizer.encode(t) for t in held_out_texts(limit)]
 
 
-CHAT_ASK = "Here is the start of a Python function. Explain what it must do, then write the whole function.\n\n"
+def chat_ask(code: str) -> str:
+    """The user turn asking about a function's start: "explain what it must do, then write the whole function"."""
+    from jaxspec.train.prompts import CHAT_REQUESTS  # jaxspec.train needs the [train] extra
+
+    return CHAT_REQUESTS[0].format(code=code)
 
 
 def held_out_chat_texts(tokenizer, limit: int | None = None) -> list[str]:
-    """The held-out prompts asked in a chat (CHAT_ASK + the prompt), rendered up to the assistant's turn."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": CHAT_ASK + t}], add_generation_prompt=True)
+    """The held-out prompts asked in a chat (`chat_ask`), rendered up to the assistant's turn."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": chat_ask(t)}], add_generation_prompt=True)
             for t in held_out_texts(limit)]
 
 
