@@ -297,6 +297,40 @@ def test_a_row_drafts_what_its_sibling_wrote():
     assert tokens[0, :3].tolist() == [4, 5, 6] and int(match[0]) == 6 and int(available[0]) == 3
 
 
+def test_catch_up_appends_what_each_string_is_missing():
+    """An owner that stopped following its strings (a rollout chunk that does not speculate) hands over each
+    string's whole text: catch_up appends only the missing tail, the strings of a group in order, so the
+    automaton is the reference built that way; a text no longer than what is held appends nothing, and a
+    second call changes nothing."""
+    rng = random.Random(4)
+    a, refs = _started([0, 2, 3], 3, rng)
+    for _ in range(3):  # followed for a while
+        rows = _random_rows(rng, 3, refs)
+        _apply_rows(refs, *rows)
+        a = extend_rows(a, *(jnp.asarray(x) for x in rows))
+    texts = np.zeros((G, N, L), np.int32)
+    lengths = np.zeros((G, N), np.int32)
+    for g, ref in enumerate(refs):
+        for s, held in enumerate(ref.texts):
+            grown = held + _random_tokens(rng, 3, ref, s)[: rng.randint(0, M)] * 2  # 0..6 tokens it missed
+            lengths[g, s] = len(held) - 1 if s == 1 else min(len(grown), L)  # string 1: shorter than held
+            texts[g, s, : lengths[g, s]] = grown[: lengths[g, s]]
+    held = np.array([[len(t) for t in ref.texts] for ref in refs])
+    assert np.sum(np.maximum(lengths - held, 0)) > 4, "strings have tokens to catch up"
+    for g, ref in enumerate(refs):
+        for s in range(N):
+            for c in texts[g, s, held[g, s]: lengths[g, s]].tolist():
+                ref.append(s, c)
+    catch_up = jax.jit(ga.catch_up)
+    a = catch_up(a, jnp.asarray(texts), jnp.asarray(lengths))
+    assert a.text_len.tolist() == [[len(t) for t in ref.texts] for ref in refs]
+    for g, ref in enumerate(refs):
+        _check_group(a, g, ref, 3, rng)
+    assert _check_drafts(a, refs) > 0
+    again = catch_up(a, jnp.asarray(texts), jnp.asarray(lengths))
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(again)))
+
+
 def test_a_full_group_stops_growing_and_drafting_alone():
     rng = random.Random(1)
     a, refs = _started([1, 1], 3, rng, max_states=16)

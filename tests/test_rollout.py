@@ -157,6 +157,43 @@ def test_new_params_run_without_recompiling(peaked_lm):
     assert outs[0].token_ids != first.token_ids or outs[1].token_ids != first.token_ids, "params were not used"
 
 
+def test_automata_catch_up_when_speculation_turns_on(peaked_lm, plain, monkeypatch):
+    """Chunks that do not speculate leave the group automata alone (`GroupSamProposer.follow`); when the
+    policy turns speculation on, every sample's string catches up, samples that finished meanwhile included,
+    so each string ends as its sample's whole text and the tokens are the plain rollout's."""
+    from jaxspec.rollouts import run as rollout_run
+
+    calls = {"finished_at_catch_up": []}
+
+    def choose(self, batch):  # no drafts until the batch compacts, then the full K
+        return 0 if batch == len(PROMPTS) * G else self.k
+
+    catch_up, collect = rollout_run._Rollout._catch_up, rollout_run._Rollout._collect
+
+    def spy_catch_up(self, state, rows):
+        calls["finished_at_catch_up"].append(len(self.samples) + int(np.sum(rows < 0)))
+        return catch_up(self, state, rows)
+
+    def spy_collect(self, state, rows, which):
+        calls["state"], calls["rows"] = state, rows.copy()
+        return collect(self, state, rows, which)
+
+    monkeypatch.setattr(TailPolicy, "choose", choose)
+    monkeypatch.setattr(rollout_run._Rollout, "_catch_up", spy_catch_up)
+    monkeypatch.setattr(rollout_run._Rollout, "_collect", spy_collect)
+    res = _run(peaked_lm, "group_sam", speculation="adaptive")
+    assert res.token_ids == plain.token_ids
+    assert res.stats.drafted > 0 and res.stats.accepted > 0
+    assert len(calls["finished_at_catch_up"]) == 1, "one catch-up, when drafting began"
+    assert calls["finished_at_catch_up"][0] > 0, "samples finished and left the batch before it"
+    automata = calls["state"].pstate.automata.value
+    texts, text_len = np.asarray(automata.texts), np.asarray(automata.text_len)
+    for p, prompt in enumerate(PROMPTS):
+        for g in range(G):
+            text = prompt + res.token_ids[p][g]
+            assert text_len[p, g] == len(text) and texts[p, g, : len(text)].tolist() == text, (p, g)
+
+
 def test_references_are_draft_material_only(peaked_lm, plain, grouped):
     refs = [[t for t in plain.token_ids[p]] for p in range(len(PROMPTS))]
     with_refs = _run(peaked_lm, "group_sam", references=refs)

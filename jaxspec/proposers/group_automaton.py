@@ -32,7 +32,8 @@ Layout (one group; every field has a leading group axis G)
   texts i32[N, L]      each string's text, beginning with the group's prefix: drafts are read from it
   text_len, last i32[N]; lost bool[N]; num_states, num_edges i32; full bool
 `start` inserts each group's prefix once and gives it to all N strings. `extend_groups` appends to one string
-per group; `extend_rows` takes rows (group, string, tokens), several of a group applied one after another.
+per group; `extend_rows` takes rows (group, string, tokens), several of a group applied one after another;
+`catch_up` appends to each string what it is missing of a longer text (an owner that stopped following).
 
 Drafting (`draft_rows`): from last[s] up at most `max_hops` suffix links, the first state but the root whose
 witness has a continuation (a token after it in its string); LENGTH is the match length, the tokens after the
@@ -212,6 +213,28 @@ def extend_rows(ga: GroupAutomaton, group: jax.Array, string: jax.Array, tokens:
 
     ranks = jnp.max(jnp.where(real, rank + 1, 0), initial=0)
     return jax.lax.while_loop(lambda c: c[0] < ranks, body, (jnp.int32(0), ga))[1]
+
+
+def catch_up(ga: GroupAutomaton, texts: jax.Array, lengths: jax.Array) -> GroupAutomaton:
+    """Bring strings 0..M-1 of every group up to the texts they have grown to elsewhere (texts i32[G, M, H],
+    lengths i32[G, M]): string s of group g appends texts[g, s, text_len[g, s]:lengths[g, s]], the tokens it
+    has not been given yet. A string already as long (or longer), a lost string and a full group append
+    nothing, so catching up twice appends nothing the second time.
+
+    For an owner that stops following its strings while nothing drafts from them (a rollout chunk that does
+    not speculate) and catches up before drafting resumes: the automaton then holds the same set of texts,
+    hence the same states, as if every token had been appended as it came (only which occurrence a state's
+    witness names may differ).
+    """
+    texts, lengths = jnp.asarray(texts, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    num_groups, num_strings, width = texts.shape
+    have = ga.text_len[:, :num_strings]  # i32[G, M]
+    num = jnp.where(ga.lost[:, :num_strings] | ga.full[:, None], 0, jnp.maximum(lengths - have, 0))
+    idx = jnp.minimum(have[..., None] + jnp.arange(width, dtype=jnp.int32), width - 1)  # i32[G, M, H]
+    tokens = jnp.take_along_axis(texts, idx, axis=2)
+    group = jnp.repeat(jnp.arange(num_groups, dtype=jnp.int32), num_strings)
+    string = jnp.tile(jnp.arange(num_strings, dtype=jnp.int32), num_groups)
+    return extend_rows(ga, group, string, tokens.reshape(num_groups * num_strings, width), num.reshape(-1))
 
 
 def draft_rows(ga: GroupAutomaton, group: jax.Array, string: jax.Array, k: int, max_hops: int = 4):

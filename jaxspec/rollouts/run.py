@@ -134,6 +134,13 @@ class _Rollout:
             refs = inputs.references
             num_refs, ref_len = (0, 0) if refs is None else refs.tokens.shape[1:]
             automaton_bytes = inputs.num_prompts * self.proposer.automaton_bytes(num_refs, ref_len)
+        # The proposer of chunks that do not speculate: group automata left as they are, caught up from the
+        # samples' texts before a chunk drafts again (`GroupSamProposer.follow`), so a rollout whose policy
+        # never speculates (T = 1.0 at large batches) pays nothing for them.
+        self.idle_proposer = self.proposer
+        if isinstance(self.proposer, GroupSamProposer):
+            self.idle_proposer = dataclasses.replace(self.proposer, follow=False)
+        self.behind = False  # chunks ran with idle_proposer since the automata last caught up
         check_memory(lm, inputs, cache_len=self.cache_len, history_len=self.width + self.buffer_len,
                      automaton_bytes=automaton_bytes)
         self.widths = spec.verify_widths
@@ -223,11 +230,15 @@ class _Rollout:
                 live = rows >= 0
             cap = self.policy.choose(len(rows))
             sampling, limits = self._settings(rows, cap)
+            if cap and self.behind:
+                state = self._catch_up(state, rows)
+            self.behind |= not cap and self.idle_proposer is not self.proposer
             # A chunk that drafts nothing compiles width 1 alone: a `lax.switch` over the verify widths costs a
-            # third of a plain step at batch 32 on XLA:CPU (docs/BENCHMARKS.md). The proposer still follows
-            # every committed token, so it is ready when speculation turns on.
+            # third of a plain step at batch 32 on XLA:CPU (docs/BENCHMARKS.md). Its proposer follows every
+            # committed token unless it can catch up later (`idle_proposer`).
             state = decode_chunk(lm.graphdef, self.params, state, sampling, limits, self.proposer_params,
-                                 proposer=self.proposer, widths=self.widths if cap else (1,),
+                                 proposer=self.proposer if cap else self.idle_proposer,
+                                 widths=self.widths if cap else (1,),
                                  attention_impl=self.attention_impl, num_steps=self.chunk_steps)
             done, step, row_steps, accepted_at = (np.asarray(x) for x in jax.device_get(
                 (state.done, state.steps, state.counters.steps, state.counters.accepted_at)))  # one readback
@@ -240,6 +251,24 @@ class _Rollout:
         self._collect(state, rows, rows >= 0)
         wall_s = time.perf_counter() - t0
         return self._result(wall_s, prefill_s)
+
+    def _catch_up(self, state: DecodeState, rows: np.ndarray) -> DecodeState:
+        """`state` with its group automata given every token committed while they were not followed: each
+        sample's text from its batch row (rows[i]: the sample row i holds, -1 for padding), or from its record
+        once it has finished and left the batch."""
+        history, history_len = (np.asarray(x) for x in jax.device_get((state.history, state.history_len)))
+        texts = np.zeros((self.inputs.num_rows, history.shape[1]), np.int32)
+        lengths = np.zeros((self.inputs.num_rows,), np.int32)
+        g = self.inputs.num_samples
+        for sample, record in self.samples.items():
+            text = np.concatenate([np.asarray(self.inputs.ids[sample // g], np.int32), record.tokens])
+            texts[sample, : len(text)], lengths[sample] = text, len(text)
+        held = rows >= 0
+        texts[rows[held]], lengths[rows[held]] = history[held], history_len[held]
+        if self.lm.mesh is not None:  # beside the automata, which are replicated
+            texts, lengths = sharding.replicate((texts, lengths), self.lm.mesh)
+        self.behind = False
+        return state.replace(pstate=self.proposer.catch_up(state.pstate, texts, lengths))
 
     def _collect(self, state: DecodeState, rows: np.ndarray, which: np.ndarray) -> None:
         """Read back the samples in batch rows `which` (bool[b]) that are not collected yet."""
