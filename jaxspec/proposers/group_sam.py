@@ -57,10 +57,10 @@ class GroupSamProposer(ChainProposer):
     min_match: int = 2  # propose nothing below this matched suffix length
     draft_per_match: float | None = None  # at most ceil(draft_per_match * match_len) drafts
     max_tokens: int | None = None  # tokens one group's automaton holds; None: all it can ever be given
-    # False: `update` leaves the automata alone, and the owner calls `catch_up` before drafting resumes. A
-    # rollout chunk that does not speculate uses this: appending every committed token costs about 4 ms a step
-    # at 32 rows on XLA:CPU (G passes, siblings in turn), 4% of a plain step, for drafts nobody reads.
-    follow: bool = True
+    # True: draft nothing and leave the automata as they are; the owner calls `catch_up` before drafting
+    # again. For a rollout chunk that does not speculate: appending every committed token costs G passes a
+    # step (siblings take turns), about 4% of a plain step at 32 rows on XLA:CPU, for drafts nobody reads.
+    idle: bool = False
 
     def __post_init__(self):
         for name in ("num_speculative_tokens", "group_size", "prompt_width", "buffer_len"):
@@ -112,6 +112,10 @@ class GroupSamProposer(ChainProposer):
     def propose(self, params, pstate: GroupSamState, ctx: Context, keys: jax.Array) -> tuple[Draft, GroupSamState]:
         """The continuation of the longest suffix of each row's text seen with one anywhere in its group."""
         k = self.num_speculative_tokens
+        if self.idle:
+            batch = ctx.history.shape[0]
+            none = jnp.zeros((batch,), jnp.int32)
+            return Draft(tokens=jnp.zeros((batch, k), jnp.int32), num_draft=none, probs=None, match_len=none), pstate
         tokens, match_len, available = ga_lib.draft_rows(pstate.automata.value, pstate.group, pstate.string, k)
         num_draft = lookup_draft_count(match_len, available, ctx.max_draft, k, self.min_match, self.draft_per_match)
         tokens = jnp.where(jnp.arange(k) < num_draft[:, None], tokens, 0).astype(jnp.int32)
@@ -119,8 +123,8 @@ class GroupSamProposer(ChainProposer):
 
     def update(self, params, pstate: GroupSamState, ctx: Context, committed: Committed) -> GroupSamState:
         """Each row's string extended by committed.tokens[b, :committed.num[b]] (siblings one at a time);
-        nothing when the proposer does not `follow`."""
-        if not self.follow:
+        nothing when the proposer is `idle`."""
+        if self.idle:
             return pstate
         automata = ga_lib.extend_rows(pstate.automata.value, pstate.group, pstate.string,
                                       committed.tokens.astype(jnp.int32), committed.num.astype(jnp.int32))

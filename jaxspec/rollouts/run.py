@@ -134,12 +134,12 @@ class _Rollout:
             refs = inputs.references
             num_refs, ref_len = (0, 0) if refs is None else refs.tokens.shape[1:]
             automaton_bytes = inputs.num_prompts * self.proposer.automaton_bytes(num_refs, ref_len)
-        # The proposer of chunks that do not speculate: group automata left as they are, caught up from the
-        # samples' texts before a chunk drafts again (`GroupSamProposer.follow`), so a rollout whose policy
-        # never speculates (T = 1.0 at large batches) pays nothing for them.
+        # The proposer of chunks that do not speculate: it drafts nothing and leaves the group automata as they
+        # are; they catch up from the samples' texts before a chunk drafts again (`GroupSamProposer.idle`), so
+        # a rollout whose policy never speculates (T = 1.0 at large batches) pays nothing for them.
         self.idle_proposer = self.proposer
         if isinstance(self.proposer, GroupSamProposer):
-            self.idle_proposer = dataclasses.replace(self.proposer, follow=False)
+            self.idle_proposer = dataclasses.replace(self.proposer, idle=True)
         self.behind = False  # chunks ran with idle_proposer since the automata last caught up
         check_memory(lm, inputs, cache_len=self.cache_len, history_len=self.width + self.buffer_len,
                      automaton_bytes=automaton_bytes)
