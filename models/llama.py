@@ -174,20 +174,14 @@ def _in_read_bucket(attend, max_len: int, needed: jax.Array):
     return jax.lax.switch(which, [functools.partial(attend, n) for n in sizes])
 
 
-_MIN_READ_SLOTS = 256  # the smallest cache prefix a decode step reads
+_MIN_READ_SLOTS = 256  # the smallest cache prefix a decode step reads; larger ones double from here
 
 
 def read_buckets(max_len: int) -> tuple[int, ...]:
-    """Cache prefixes (slots) a forward may read: 256, 384, 512, 768, 1024, ... (each power of two and 1.5
-    times it) up to the whole cache of `max_len` slots.
-
-    Steps of 1.5x and 1.33x rather than doubling: a row is never read more than 1.5 times its length, and two
-    caches of neighbouring sizes (384 slots for plain decoding, 512 for the same rows with room for drafts)
-    read the same prefix at the same length.
-    """
+    """Cache prefixes (slots) a forward may read: 256, 512, ... up to the whole cache of `max_len` slots."""
     sizes, size = [], _MIN_READ_SLOTS
     while size < max_len:
-        sizes += [s for s in (size, size * 3 // 2) if s < max_len]
+        sizes.append(size)
         size *= 2
     return tuple(sizes) + (max_len,)
 

@@ -1,6 +1,6 @@
 """Length-aware attention: a forward reads only the cache prefix its rows hold, with the same result.
 
-The target's attention reads the smallest of `read_buckets(S)` (256, 384, 512, 768, ... S) that holds every row's
+The target's attention reads the smallest of `read_buckets(S)` (256, 512, ... S) that holds every row's
 committed tokens and its new ones. Rows in different buckets, chains and trees must give exactly what a read
 of the whole cache gives, and the decode loop must update the cache in place (no copy of a whole layer's
 buffer per step), which is what makes a step's cost follow the tokens used rather than the cache size.
@@ -38,9 +38,8 @@ def model():
 
 
 def test_read_buckets():
-    assert read_buckets(1024) == (256, 384, 512, 768, 1024)
-    assert read_buckets(640) == (256, 384, 512, 640)
-    assert read_buckets(384) == (256, 384)
+    assert read_buckets(1024) == (256, 512, 1024)
+    assert read_buckets(640) == (256, 512, 640)
     assert read_buckets(256) == (256,)
     assert read_buckets(128) == (128,)
 
