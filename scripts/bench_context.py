@@ -9,6 +9,11 @@ with each one's ratio to the first configuration.
 
     python scripts/bench_context.py                                   # batch 1 and 8
     python scripts/bench_context.py --configs 200:256,300:2048 --batches 1
+    python scripts/bench_context.py --read-micro 32    # attention alone: a cache prefix against a whole cache
+
+`--read-micro B` times the attention of one new token per row over the default model's 30 layers (separate
+per-layer K/V arrays, as the model holds them) at batch B, reading the whole cache or a prefix of it, for the
+(cache slots, slots read) pairs of `--read-pairs`: what a read bucket costs, and what slicing a prefix adds.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 
 import jaxspec
 from benchkit import machine, tables, workloads
-from benchkit.timing import clocked, interleave, ratios
+from benchkit.timing import clocked, interleave, ratios, timer
 from jaxspec.decode import RowLimits, decode, prefill
 
 DEFAULT_CONFIGS = "200:256,300:512,300:1024,300:2048,1000:2048,1800:2048"
@@ -48,6 +53,36 @@ def step_ms(lm, tokens: list[int], prompt_len: int, cache_len: int, batch: int, 
     return seconds / int(state.steps) * 1000
 
 
+def read_micro(lm, batch: int, pairs: list[tuple[int, int]], repeats: int) -> None:
+    """ms of 30 layers' attention for one new token per row, reading `read` of `slots` cache slots."""
+    from jaxspec.models.llama import _xla_attention
+
+    cfg = lm.config
+    hd, kv = cfg.head_dim, cfg.num_kv_heads
+    q = jnp.ones((batch, 1, cfg.num_heads, hd), jnp.float32)
+    rng = np.random.default_rng(0)
+
+    def layers(q, ks, vs, read):
+        out = jnp.zeros_like(q)
+        for k, v in zip(ks, vs):
+            visible = jnp.ones((batch, 1, read), bool)
+            out = out + _xla_attention(q + out, k[:, :, :read], v[:, :, :read], visible, cfg)
+        return out
+
+    fn = jax.jit(layers, static_argnums=3)
+    calls = {}
+    for slots, read in pairs:
+        ks = [jnp.asarray(rng.standard_normal((batch, kv, slots, hd), np.float32)) for _ in range(cfg.num_layers)]
+        vs = [x + 1 for x in ks]
+        calls[(slots, read)] = timer(lambda ks=ks, vs=vs, read=read: jax.block_until_ready(fn(q, ks, vs, read)))
+    times = interleave(calls, repeats)
+    print(f"# attention read, batch {batch}, {cfg.num_layers} layers: {machine.line(machine.info())}; median of "
+          f"{repeats} interleaved rounds\n")
+    print(tables.head(["cache slots", "slots read", "ms"]))
+    for slots, read in pairs:
+        print(tables.row([slots, read, f"{statistics.median(times[(slots, read)]) * 1000:.1f}"]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
@@ -56,8 +91,16 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8", help="(default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=48, help="decode steps timed (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    parser.add_argument("--read-micro", type=int, metavar="BATCH",
+                        help="time the attention read alone at this batch instead (see above)")
+    parser.add_argument("--read-pairs", default="256:256,384:256,384:384,512:384,512:512",
+                        help="cache slots:slots read, for --read-micro (default: %(default)s)")
     args = parser.parse_args(argv)
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
+    if args.read_micro:
+        pairs = [tuple(int(x) for x in c.split(":")) for c in args.read_pairs.split(",")]
+        read_micro(jaxspec.load_model("smollm2-135m"), args.read_micro, pairs, max(args.repeats, 9))
+        return 0
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     for p, s in configs:
         if p + args.new_tokens + 1 > s:
