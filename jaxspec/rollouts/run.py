@@ -136,7 +136,7 @@ class _Rollout:
             automaton_bytes = inputs.num_prompts * self.proposer.automaton_bytes(num_refs, ref_len)
         # The proposer of chunks that do not speculate: it drafts nothing and leaves the group automata as they
         # are; they catch up from the samples' texts before a chunk drafts again (`GroupSamProposer.idle`), so
-        # a rollout whose policy never speculates (T = 1.0 at large batches) pays nothing for them.
+        # a rollout whose policy never speculates (T = 1.0 at large batches) pays for them only at prefill.
         self.idle_proposer = self.proposer
         if isinstance(self.proposer, GroupSamProposer):
             self.idle_proposer = dataclasses.replace(self.proposer, idle=True)
