@@ -37,6 +37,22 @@ CACHE_ENV = "JAXSPEC_VERIFY_COST"  # "off": never measure (narrowest width holdi
 
 _MEMO: dict[str, tuple[float, ...]] = {}  # key -> c(w) for the sorted widths timed (1 first)
 _SHAPES: dict[str, dict] = {}  # key -> the shapes it was measured at, for reports
+_COMPILE_S = [0.0]  # seconds this process spent tracing, lowering and compiling (`compile_seconds`)
+
+
+def _count_compile(event: str, duration_secs: float, **_) -> None:
+    if event.startswith("/jax/core/compile/"):
+        _COMPILE_S[0] += duration_secs
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent so far tracing, lowering and compiling jitted programs (JAX's own
+    compile events). A timer subtracts the difference over what it timed, so a chunk that compiled its program
+    counts what it ran, not what it compiled."""
+    return _COMPILE_S[0]
 
 
 def acceptance_rate(accepted: jax.Array, drafted: jax.Array) -> jax.Array:

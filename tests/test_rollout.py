@@ -19,6 +19,7 @@ from jaxspec import SamplingParams, SpecConfig
 from jaxspec.decode import decode_chunk, prefill
 from jaxspec.rollouts import TailPolicy, batch_buckets, sample_seeds
 from jaxspec.rollouts import inputs as rollout_inputs
+from jaxspec.rollouts.policy import DraftingOverhead, overhead_for
 from jaxspec.sampling import process_logits
 
 PROMPTS = [[5, 6, 7, 8, 5, 6], [10, 11, 12, 13, 10, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
@@ -257,6 +258,9 @@ def test_stats_are_consistent(plain, grouped):
         assert sum(s.committed_per_step) == s.committed == sum(len(t) - 1 for g in res.token_ids for t in g)
         assert s.row_steps == active.sum() and len(s.step_end_s) == s.steps
         assert s.tail_row_steps <= s.row_steps
+        # Each chunk's run time excludes compiling (these rollouts compiled their programs in their chunks).
+        assert all(c.run_s > 0 for c in s.chunks) and sum(c.run_s for c in s.chunks) < s.wall_s - s.prefill_s
+        assert all(c.drafting_overhead > 0 for c in s.chunks)
 
 
 def test_batch_buckets():
@@ -287,3 +291,37 @@ def test_tail_policy_speculates_where_the_measured_cost_pays():
     assert _policy(costs, mode="always").choose(128) == 8
     assert _policy(costs, mode="off").choose(8) == 0
     assert TailPolicy(8, (1, 9), lambda b: None).choose(8) == 8  # no cost table: the full K
+
+
+def test_tail_policy_learns_what_a_drafting_chunk_costs():
+    # At 128 rows the verify forward alone predicts c(3) = 1.22, so the prior acceptance explores width 3; the
+    # chunk then ran 1.61x the plain chunk beside it (drafting, sampling at 3 positions, the switch).
+    costs = {128: {1: 1.0, 3: 1.22, 5: 1.55, 9: 2.25}, 64: {1: 1.0, 3: 1.2, 5: 1.5, 9: 2.2},
+             8: {1: 1.0, 3: 1.05, 5: 1.1, 9: 1.3}}
+    shared = DraftingOverhead()
+    policy = _policy(costs, overhead=shared)
+    assert policy.choose(128) == 2
+    nothing = np.zeros(8)
+    policy.observe(2, nothing, 128 * 16, batch=128, step_seconds=1.61)
+    assert shared.factor(128) == 1.0  # one chunk alone is no comparison
+    policy.observe(0, nothing, 128 * 16, batch=128, step_seconds=1.0)
+    assert shared.factor(128) == pytest.approx(1.61 / 1.22)
+    # Two plain chunks, or chunks at different batches, are not paired.
+    policy.observe(0, nothing, 128 * 16, batch=128, step_seconds=2.0)
+    policy.observe(1, nothing, 64 * 16, batch=64, step_seconds=9.0)
+    policy.observe(0, nothing, 32 * 16, batch=32, step_seconds=1.0)
+    assert shared.factor(128) == pytest.approx(1.61 / 1.22)
+    # A later rollout of the same shape knows it before its first chunk (an RL loop's next training step):
+    # with nothing measured yet about acceptance, it no longer explores at 128 rows.
+    later = _policy(costs, overhead=shared)
+    assert later.choose(128) == 0
+    assert later.expected_gain(128)[2] == pytest.approx((1 + 0.3 + 0.09) / (1.22 * 1.61 / 1.22))
+    # At a batch never measured the last factor stands in; where drafting is cheap it still pays.
+    assert shared.factor(8) == shared.factor(128)
+    assert later.choose(8) > 0
+    # A chunk that drafted cheaper than predicted (rows rarely drafted, narrow widths) pulls the factor down.
+    later.observe(4, nothing + 50, 8 * 16, batch=8, step_seconds=0.9)
+    later.observe(0, nothing, 8 * 16, batch=8, step_seconds=1.0)
+    assert shared.factor(8) == pytest.approx(0.9 / 1.1)
+    assert shared.factor(128) == pytest.approx(1.61 / 1.22)  # each batch keeps its own
+    assert overhead_for(("a shape",)) is overhead_for(("a shape",)) is not overhead_for(("another",))

@@ -39,7 +39,7 @@ from ..penalties import any_penalty
 from ..proposers.group_sam import GroupSamProposer
 from ..shapes import bucket_shapes
 from .inputs import RolloutInputs, check_memory, validate
-from .policy import MODES, TailPolicy
+from .policy import MODES, TailPolicy, overhead_for
 from .result import ChunkRecord, RolloutResult, SampleRecord, timeline_stats
 
 MIN_COMPACT_BATCH = 8  # below 8 rows XLA:CPU runs a forward no faster than at 8 (docs/cpu-performance.md)
@@ -147,7 +147,12 @@ class _Rollout:
         sharding.check_batch(lm.mesh, lm.rules, inputs.num_rows)
         data = sharding.axis_size(lm.mesh, lm.rules.batch if lm.rules else None)
         self.buckets = batch_buckets(inputs.num_rows, data) if compaction else (inputs.num_rows,)
-        self.policy = TailPolicy(spec.num_speculative_tokens, self.widths, self._verify_cost, mode=speculation)
+        # Rollouts of one shape share what drafting was measured to cost (`overhead_for`): an RL loop runs one
+        # per training step, and only the first pays for learning it.
+        shape = (lm.name, repr(lm.config), self.proposer, self.widths, self.cache_len, self.buffer_len,
+                 chunk_steps, attention_impl, None if lm.mesh is None else tuple(lm.mesh.shape.items()))
+        self.policy = TailPolicy(spec.num_speculative_tokens, self.widths, self._verify_cost, mode=speculation,
+                                 overhead=overhead_for(shape))
         self.prompt_lens = np.asarray(lens, np.int32)
         self.max_new = np.full((inputs.num_rows,), inputs.max_new_tokens, np.int32)
         self.samples: dict[int, SampleRecord] = {}
@@ -229,10 +234,13 @@ class _Rollout:
                 done = np.concatenate([np.zeros((len(keep),), bool), np.ones((target - len(keep),), bool)])
                 live = rows >= 0
             cap = self.policy.choose(len(rows))
+            overhead = self.policy.overhead.factor(len(rows))  # what drafting was taken to cost beside c(w)
             sampling, limits = self._settings(rows, cap)
             if cap and self.behind:
                 state = self._catch_up(state, rows)
             self.behind |= not cap and self.idle_proposer is not self.proposer
+            started, compiled = time.perf_counter(), cost.compile_seconds()
+            steps_before = self.chunks[-1].end_step if self.chunks else 0
             # A chunk that drafts nothing compiles width 1 alone: a `lax.switch` over the verify widths costs a
             # third of a plain step at batch 32 on XLA:CPU (docs/BENCHMARKS.md). Its proposer follows every
             # committed token unless it can catch up later (`idle_proposer`).
@@ -242,11 +250,14 @@ class _Rollout:
                                  attention_impl=self.attention_impl, num_steps=self.chunk_steps)
             done, step, row_steps, accepted_at = (np.asarray(x) for x in jax.device_get(
                 (state.done, state.steps, state.counters.steps, state.counters.accepted_at)))  # one readback
+            run_s = time.perf_counter() - started - (cost.compile_seconds() - compiled)
             self.chunks.append(ChunkRecord(end_step=int(step), end_s=time.perf_counter() - t0, batch=len(rows),
-                                           active=running, draft_cap=cap))
+                                           active=running, draft_cap=cap, run_s=run_s,
+                                           drafting_overhead=overhead))
             held = rows[live]
             self.policy.observe(cap, (accepted_at[live] - seen_accepted[held]).sum(axis=0),
-                                int((row_steps[live] - seen_steps[held]).sum()))
+                                int((row_steps[live] - seen_steps[held]).sum()), batch=len(rows),
+                                step_seconds=run_s / max(int(step) - steps_before, 1))
             seen_steps[held], seen_accepted[held] = row_steps[live], accepted_at[live]
         self._collect(state, rows, rows >= 0)
         wall_s = time.perf_counter() - t0
