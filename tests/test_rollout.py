@@ -260,7 +260,9 @@ def test_stats_are_consistent(plain, grouped):
         assert s.tail_row_steps <= s.row_steps
         # Each chunk's run time excludes compiling (these rollouts compiled their programs in their chunks).
         assert all(c.run_s > 0 for c in s.chunks) and sum(c.run_s for c in s.chunks) < s.wall_s - s.prefill_s
-        assert all(c.drafting_overhead > 0 for c in s.chunks)
+        # Both never switch between drafting and plain chunks (K = 0; speculation="always"), so no pair of
+        # chunks teaches the policy a drafting cost within them.
+        assert len({c.drafting_overhead for c in s.chunks}) == 1
 
 
 def test_batch_buckets():

@@ -18,8 +18,8 @@ class ChunkRecord:
     batch: int  # the compiled batch it ran at
     active: int  # samples still generating when it started
     draft_cap: int  # the most drafts per row it allowed (0: plain decoding)
-    run_s: float = 0.0  # seconds it ran (its decode steps and the readback after them), compiling excluded
-    drafting_overhead: float = 1.0  # the factor on c(w) the policy chose its cap by (`TailPolicy.overhead`)
+    run_s: float  # seconds it ran (its decode steps and the readback after them), compiling excluded
+    drafting_overhead: float  # the factor on c(w) the policy chose its cap by (`TailPolicy.overhead`)
 
 
 @dataclasses.dataclass(frozen=True)
