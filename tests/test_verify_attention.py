@@ -1,4 +1,4 @@
-"""Tests of jaxspec.kernels.verify_attention (Pallas, interpret mode on CPU).
+"""Tests of jaxspec.kernels.verify_attention (Pallas: interpret mode on CPU, compiled through Triton on a GPU).
 
 Shapes are tiny and shared between tests where possible: every distinct (shape, dtype,
 static-argument) combination costs a few seconds of interpret-mode compilation, while new
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +17,9 @@ import pytest
 from jaxspec.kernels.verify_attention import (
     BlockSizes,
     ancestor_mask,
+    choose_num_splits,
+    fit_shared_memory,
+    shared_memory_estimate,
     verify_attention,
     verify_attention_reference,
 )
@@ -64,8 +68,22 @@ CASES = [
     # T * G = 21 rows pad to 32 and split into two 16-row query blocks over the grid.
     Case("f32-tree-gqa3-d64-block-q", jnp.float32, 7, 6, 2, 64, 64, (0, 1, 16, 25, 57),
          tree=True, block_sizes=BlockSizes(block_kv=16, block_q=16)),
+    # Split-KV: 4 blocks over 3 splits of 2 blocks, so the last split is always empty, and rows whose
+    # length ends inside the first split leave the second empty too.
+    Case("f32-tree-gqa3-d64-split", jnp.float32, 7, 6, 2, 64, 64, (0, 1, 16, 25, 57),
+         tree=True, block_sizes=BlockSizes(block_kv=16, num_splits=3)),
+    Case("bf16-chain-gqa4-d128-split", jnp.bfloat16, 4, 8, 2, 128, 80, (0, 1, 32, 60, 76),
+         tree=False, block_sizes=BlockSizes(block_kv=16, num_splits=2)),
+    # The default model's heads (9 over 3) at a 31-node tree: 93 rows pad to 128, which in f32 with the
+    # default blocks asked an H100 for more shared memory than it has until the blocks were fitted.
+    Case("f32-tree-gqa3-d64-wide", jnp.float32, 31, 9, 3, 64, 256, (0, 100, 225),
+         tree=True, block_sizes=BlockSizes()),
 ]
 CASES_BY_NAME = {case.name: case for case in CASES}
+
+# The interpreter is the only way to run a Pallas kernel on CPU; on a GPU the same tests check the compiled
+# kernel (every case's head dim is a power of two, as Triton needs).
+INTERPRET = jax.default_backend() != "gpu"
 
 
 def random_parents(rng: np.random.Generator, batch: int, num_new: int) -> np.ndarray:
@@ -103,7 +121,7 @@ def make_inputs(case: Case, seed: int = 0, poison: float | None = np.nan):
 def run_kernel(case: Case, q, k, v, lengths, mask=None, **kwargs):
     return verify_attention(
         q, k, v, lengths, mask, sm_scale=case.sm_scale, block_sizes=case.block_sizes,
-        interpret=True, **kwargs,
+        interpret=INTERPRET, **kwargs,
     )
 
 
@@ -320,6 +338,30 @@ def test_invalid_inputs_raise(fn, overrides, message):
         else:
             verify_attention_reference(**args)
     assert message in str(info.value)
+
+
+def test_shared_memory_fit():
+    """The estimate reproduces what Triton asked an H100 for, and the fit shrinks only what does not fit."""
+    h100 = 232448
+    # f32, T * G = 96 rows padded to 128, Tpad 32, block_kv 128, 3 stages: Triton asked for 279040.
+    assert shared_memory_estimate(128, 128, 64, 4, 32, 3) == 279040 - 512
+    assert fit_shared_memory(128, 128, 64, 4, 32, 3, h100) == (128, 64)
+    # bf16 at 256 rows (T = 64) ran with the default blocks: left alone.
+    assert fit_shared_memory(256, 128, 64, 2, 64, 3, h100) == (256, 128)
+    # Shrinks block_kv to 64 first, then block_q, then both to 16, and stops there.
+    assert fit_shared_memory(512, 128, 128, 4, 64, 3, 160_000) == (64, 32)
+    for limit in (60_000, 30_000, 1):
+        q, kv = fit_shared_memory(512, 128, 128, 4, 64, 3, limit)
+        assert q >= 16 and kv >= 16
+        assert shared_memory_estimate(q, kv, 128, 4, 64, 3) <= limit or (q, kv) == (16, 16)
+
+
+def test_split_count_fills_the_gpu_only_when_rows_are_few():
+    assert choose_num_splits(programs=3, num_blocks=256) == 86  # B 1, 3 KV heads, a 32k cache
+    assert choose_num_splits(programs=96, num_blocks=256) == 3
+    assert choose_num_splits(programs=3, num_blocks=8) == 4  # at least 2 blocks per split
+    assert choose_num_splits(programs=256, num_blocks=256) == 1
+    assert choose_num_splits(programs=3, num_blocks=3) == 1
 
 
 def test_compiled_kernel_requires_power_of_two_head_dim():

@@ -32,6 +32,11 @@ from ..tree import ancestor_mask
 __all__ = [
     "BlockSizes",
     "ancestor_mask",
+    "choose_num_splits",
+    "compiled_supports",
+    "fit_shared_memory",
+    "shared_memory_estimate",
+    "shared_memory_limit",
     "verify_attention",
     "verify_attention_reference",
 ]
@@ -59,6 +64,15 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def compiled_supports(head_dim: int) -> bool:
+    """Whether the compiled (Triton) kernel takes this head dim: a power of two >= 16.
+
+    Padding D would copy the whole cache every call, so other head dims (8, 80, 96, ...) run only in the
+    interpreter; a model given ``attention_impl="pallas"`` (a hint) uses XLA's attention for them instead.
+    """
+    return head_dim >= _MIN_TILE and _is_power_of_two(head_dim)
+
+
 def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -76,12 +90,21 @@ class BlockSizes:
         run; a power of two >= 16.
       num_warps, num_stages: passed to Triton; None keeps Triton's defaults.  Ignored by the
         interpreter.
+      num_splits: programs that share one (row, KV head, query block)'s cache, each taking a
+        contiguous run of its KV blocks (split-KV, as in flash-decoding); their partial softmax
+        sums are merged afterwards.  None picks enough to fill a GPU when B * Hkv is small
+        (one split in the interpreter); 1 never splits.
+
+    The compiled kernel treats ``block_kv`` and ``block_q`` as upper bounds: it halves them
+    while its estimated shared memory would exceed what the GPU has (f32 inputs with many
+    query rows need that; see :func:`fit_shared_memory`).
     """
 
     block_kv: int = 128
     block_q: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    num_splits: int | None = None
 
     def __post_init__(self):
         for name, minimum, power_of_two in (
@@ -89,6 +112,7 @@ class BlockSizes:
             ("block_q", _MIN_TILE, True),
             ("num_warps", 1, True),
             ("num_stages", 1, False),
+            ("num_splits", 1, False),
         ):
             value = getattr(self, name)
             if value is None and name != "block_kv":
@@ -99,6 +123,67 @@ class BlockSizes:
             if value < minimum or (power_of_two and not _is_power_of_two(value)):
                 kind = "a power of two" if power_of_two else "an int"
                 raise ValueError(f"BlockSizes.{name}={value} must be {kind} >= {minimum}")
+
+
+# --------------------------------------------------------------------------------------------
+# launch shape: shared memory and split-KV
+# --------------------------------------------------------------------------------------------
+
+# Shared memory per thread block by CUDA compute capability (the opt-in maximum a kernel may use).
+_SHARED_MEMORY_BY_CC = {(7, 0): 98304, (8, 0): 166912, (8, 7): 166912, (9, 0): 232448, (10, 0): 232448}
+# Where the GPU is unknown (lowering without one) or not listed: the consumer Ampere/Ada figure.
+_SHARED_MEMORY_DEFAULT = 101376
+# Programs worth launching before splitting the cache stops paying: about two waves on 100-150 SMs.
+_TARGET_PROGRAMS = 256
+# Triton's pipelining depth when none is given (jax's Pallas-Triton lowering on CUDA).
+_TRITON_DEFAULT_STAGES = 3
+
+
+def shared_memory_limit() -> int:
+    """Bytes of shared memory one program may use on the default GPU (a conservative default elsewhere)."""
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if not cc:
+        return _SHARED_MEMORY_DEFAULT
+    major, minor = (int(x) for x in str(cc).split(".")[:2])
+    return _SHARED_MEMORY_BY_CC.get((major, minor), _SHARED_MEMORY_DEFAULT)
+
+
+def shared_memory_estimate(block_q: int, block_kv: int, head_dim: int, itemsize: int,
+                           num_new_padded: int, num_stages: int) -> int:
+    """Bytes of shared memory Triton allocates for one program, as measured on an H100.
+
+    The pipelined K and V blocks (``num_stages`` copies each), the probabilities P [block_q, block_kv]
+    staged for the P @ V matmul in the cache dtype, and the f32 new-token mask [block_q, Tpad]: f32
+    inputs at T * G = 96 query rows (padded to 128), block_kv 128 and 3 stages asked Triton for
+    279040 bytes, this formula's 278528 plus 512; bf16 at 256 rows fitted in 232448.
+    """
+    kv = 2 * num_stages * block_kv * head_dim * itemsize
+    return kv + block_q * block_kv * itemsize + block_q * num_new_padded * 4
+
+
+def fit_shared_memory(block_q: int, block_kv: int, head_dim: int, itemsize: int, num_new_padded: int,
+                      num_stages: int, limit: int) -> tuple[int, int]:
+    """(block_q, block_kv), each halved as needed (never below 16) so that the estimate fits in ``limit``.
+
+    block_kv shrinks first, down to 64 (a longer loop of smaller blocks), then block_q down to 64 (more
+    programs, each reading the cache again), then both down to 16.
+    """
+    def fits(q: int, kv: int) -> bool:
+        return shared_memory_estimate(q, kv, head_dim, itemsize, num_new_padded, num_stages) <= limit
+
+    for floor in (64, _MIN_TILE):
+        while not fits(block_q, block_kv) and block_kv > floor:
+            block_kv //= 2
+        while not fits(block_q, block_kv) and block_q > floor:
+            block_q //= 2
+    return block_q, block_kv
+
+
+def choose_num_splits(programs: int, num_blocks: int) -> int:
+    """Splits of each cache so that about `_TARGET_PROGRAMS` programs run, each with >= 2 KV blocks."""
+    if programs >= _TARGET_PROGRAMS or num_blocks < 4:
+        return 1
+    return max(1, min(-(-_TARGET_PROGRAMS // programs), num_blocks // 2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,12 +272,15 @@ def _verify_attention_kernel(
     k_ref,        # [S, D]                this row's and KV head's key cache
     v_ref,        # [S, D]                value cache, same layout
     mask_ref,     # f32[block_q, Tpad]    1.0 where query row r may attend new token j
-    o_ref,        # [block_q, D]          output rows, same order as q_ref
-    *,
+    *out_refs,
     sm_scale: float,
     block_kv: int,
     num_new: int,
+    blocks_per_split: int | None,
 ):
+    # out_refs, unsplit (blocks_per_split None): o_ref [block_q, D], the output rows in q_ref's order.
+    # Split: acc_ref f32[block_q, D], m_ref f32[block_q], l_ref f32[block_q]: this split's unnormalised
+    # P @ V, running max and softmax denominator, merged across splits outside the kernel.
     block_q, head_dim = q_ref.shape
     num_slots = k_ref.shape[0]
     num_new_padded = mask_ref.shape[1]
@@ -258,17 +346,38 @@ def _verify_attention_kernel(
     # stops there, so slots past length + T are never visited.
     num_prefix_blocks = lax.div(length, jnp.int32(block_kv))
     num_blocks = lax.div(length + jnp.int32(num_new + block_kv - 1), jnp.int32(block_kv))
+    if blocks_per_split is None:
+        first, last = jnp.int32(0), num_blocks
+    else:  # this program's run of blocks; a run past num_blocks is empty and leaves (0, MASK, 0)
+        first = pl.program_id(3) * blocks_per_split
+        last = jnp.minimum(first + blocks_per_split, num_blocks)
     carry = lax.fori_loop(
-        0, num_prefix_blocks, functools.partial(body, in_window=False), (acc, m, l)
+        first, jnp.minimum(last, num_prefix_blocks), functools.partial(body, in_window=False), (acc, m, l)
     )
     acc, m, l = lax.fori_loop(
-        num_prefix_blocks, num_blocks, functools.partial(body, in_window=True), carry
+        jnp.maximum(first, num_prefix_blocks), last, functools.partial(body, in_window=True), carry
     )
 
+    if blocks_per_split is not None:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+        return
     # Rows with no allowed slot at all (an all-False mask row at length 0, or padding rows)
     # return 0 rather than 0/0.
+    (o_ref,) = out_refs
     l = jnp.where(l == 0.0, 1.0, l)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+def _merge_splits(acc, m, l):
+    """f32[B, Hkv, splits, R, D], f32[B, Hkv, splits, R] x 2 -> f32[B, Hkv, R, D]: the softmax over the whole
+    cache from each split's partial sums (flash-decoding's reduction). A split that saw nothing has
+    m = MASK and l = 0, so its weight underflows to 0 beside any split that saw a slot."""
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    weight = jnp.exp(m - m_all)  # [B, Hkv, splits, R]
+    denom = jnp.sum(weight * l, axis=2)
+    out = jnp.sum(weight[..., None] * acc, axis=2)
+    return out / jnp.where(denom == 0.0, 1.0, denom)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
@@ -317,7 +426,7 @@ def verify_attention(
     )
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a BlockSizes, got {block_sizes=}")
-    if not interpret and (head_dim < _MIN_TILE or not _is_power_of_two(head_dim)):
+    if not interpret and not compiled_supports(head_dim):
         # Triton tensors must have power-of-two sizes; padding D would copy the whole cache.
         raise ValueError(
             f"{head_dim=} must be a power of two >= {_MIN_TILE} for the compiled (Triton) "
@@ -331,24 +440,31 @@ def verify_attention(
     # each K/V block once.  Rows are padded to a power of two (>= 16) for Triton.
     num_rows = num_new * group
     rows_padded = max(_MIN_TILE, _next_power_of_two(num_rows))
-    block_q = rows_padded if block_sizes.block_q is None else min(block_sizes.block_q,
-                                                                  rows_padded)
+    block_q = rows_padded if block_sizes.block_q is None else min(block_sizes.block_q, rows_padded)
+    num_new_padded = max(_MIN_TILE, _next_power_of_two(num_new))
+    # A cache shorter than block_kv gets a smaller block (padded up to it below).
+    block_kv = min(block_sizes.block_kv, max(_MIN_TILE, _next_power_of_two(num_slots)))
+    if not interpret:
+        # Triton fails at run time, not compile time, when a program asks for more shared memory than the
+        # GPU has (f32 at T * G > 64 rows with the default 128-slot blocks, on an H100): shrink first.
+        stages = block_sizes.num_stages or _TRITON_DEFAULT_STAGES
+        block_q, block_kv = fit_shared_memory(block_q, block_kv, head_dim, q.dtype.itemsize, num_new_padded,
+                                              stages, shared_memory_limit())
+
     q_tiles = q.reshape(batch, num_new, num_kv_heads, group, head_dim)
     q_tiles = q_tiles.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows_padded - num_rows), (0, 0)))
 
     # The new-token mask expanded to tile rows (row r is query r // G); padding rows and
     # columns are False, so padded rows only ever see the prefix and are dropped anyway.
-    num_new_padded = max(_MIN_TILE, _next_power_of_two(num_new))
     new_mask = _new_token_mask(mask, parents, batch, num_new)
     row_mask = jnp.repeat(new_mask, group, axis=1).astype(jnp.float32)  # f32[B, T*G, T]
     row_mask = jnp.pad(
         row_mask, ((0, 0), (0, rows_padded - num_rows), (0, num_new_padded - num_new))
     )
 
-    # A cache shorter than block_kv gets a smaller block, and is padded up to it when its
-    # size is not a power of two: a copy, but only of a cache under block_kv slots.
-    block_kv = min(block_sizes.block_kv, max(_MIN_TILE, _next_power_of_two(num_slots)))
+    # A cache shorter than block_kv is padded up to it when its size is not a power of two:
+    # a copy, but only of a cache under block_kv slots.
     if num_slots < block_kv:
         pad = ((0, 0), (0, 0), (0, block_kv - num_slots), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
@@ -356,22 +472,44 @@ def verify_attention(
 
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, num_slots - num_new)
 
+    # Split-KV: with few rows and KV heads, one program per (row, KV head) leaves most of a GPU idle
+    # while it walks a long cache alone; splitting the cache's blocks over more programs and merging
+    # their softmax sums afterwards keeps it busy. The interpreter runs programs one by one: no gain.
+    num_q_blocks = rows_padded // block_q
+    max_blocks = -(-padded_slots // block_kv)
+    num_splits = block_sizes.num_splits
+    if num_splits is None:
+        num_splits = 1 if interpret else choose_num_splits(batch * num_kv_heads * num_q_blocks, max_blocks)
+    num_splits = min(num_splits, max_blocks)
+    blocks_per_split = None if num_splits == 1 else -(-max_blocks // num_splits)
+
     kernel = functools.partial(
-        _verify_attention_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_new=num_new
+        _verify_attention_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_new=num_new,
+        blocks_per_split=blocks_per_split,
     )
-    grid = (batch, num_kv_heads, rows_padded // block_q)
+    tile = (batch, num_kv_heads, rows_padded, head_dim)
+    if blocks_per_split is None:
+        out_shape = jax.ShapeDtypeStruct(tile, q.dtype)
+        out_specs = pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, r, s: (b, h, r, 0))
+    else:
+        parts = (batch, num_kv_heads, num_splits, rows_padded)
+        out_shape = (jax.ShapeDtypeStruct(parts + (head_dim,), jnp.float32),
+                     jax.ShapeDtypeStruct(parts, jnp.float32), jax.ShapeDtypeStruct(parts, jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, None, block_q, head_dim), lambda b, h, r, s: (b, h, s, r, 0)),
+                     pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)),
+                     pl.BlockSpec((None, None, None, block_q), lambda b, h, r, s: (b, h, s, r)))
     out = pl.pallas_call(
         kernel,
-        grid=grid,
+        grid=(batch, num_kv_heads, num_q_blocks, num_splits),
         in_specs=[
-            pl.BlockSpec((None,), lambda b, h, r: (b,)),
-            pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, r: (b, h, r, 0)),
-            pl.BlockSpec((None, None, padded_slots, head_dim), lambda b, h, r: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, padded_slots, head_dim), lambda b, h, r: (b, h, 0, 0)),
-            pl.BlockSpec((None, block_q, num_new_padded), lambda b, h, r: (b, r, 0)),
+            pl.BlockSpec((None,), lambda b, h, r, s: (b,)),
+            pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, r, s: (b, h, r, 0)),
+            pl.BlockSpec((None, None, padded_slots, head_dim), lambda b, h, r, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, padded_slots, head_dim), lambda b, h, r, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, block_q, num_new_padded), lambda b, h, r, s: (b, r, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, r: (b, h, r, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, rows_padded, head_dim), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         # Explicit Triton params: with none, jax >= 0.10 lowers pallas_call on CUDA through
         # Mosaic GPU, which would try to stage the whole [S, D] cache block in shared memory.
         compiler_params=pltriton.CompilerParams(
@@ -380,6 +518,8 @@ def verify_attention(
         interpret=interpret,
         name="verify_attention",
     )(lengths, q_tiles, k_cache, v_cache, row_mask)
+    if blocks_per_split is not None:
+        out = _merge_splits(*out).astype(q.dtype)  # [B, Hkv, rows_padded, D]
 
     out = out[:, :, :num_rows].reshape(batch, num_kv_heads, num_new, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_new, num_q_heads, head_dim)
