@@ -1,12 +1,15 @@
-"""The model's Pallas attention path (interpret mode on CPU) against its XLA path."""
+"""The model's Pallas attention path (interpret mode on CPU, compiled on a GPU) against its XLA path."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec.kernels import verify_attention as kernel_module
+from jaxspec.kernels.verify_attention import compiled_supports
 
 
 def test_forward_pallas_equals_xla_chain_and_tree(tiny_lm):
@@ -24,6 +27,26 @@ def test_forward_pallas_equals_xla_chain_and_tree(tiny_lm):
         xla, _ = module(new, pos, cache, tree_mask=mask, attention_impl="xla")
         pallas, _ = module(new, pos, cache, tree_mask=mask, attention_impl="pallas")
         np.testing.assert_allclose(pallas.logits, xla.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_pallas_hint_uses_xla_where_the_compiled_kernel_cannot_take_the_head_dim(tiny_lm, monkeypatch):
+    """On a GPU "pallas" is the default; a head dim Triton cannot take (the tiny model's 8, or 80) must fall back
+    to XLA's attention there instead of failing. The GPU is simulated: the kernel must not even be called."""
+    assert [d for d in (8, 16, 24, 64, 80, 96, 128, 256) if compiled_supports(d)] == [16, 64, 128, 256]
+    assert not compiled_supports(tiny_lm.module.cfg.head_dim)
+    module = tiny_lm.module
+    prefix = jnp.asarray([[5, 6, 7, 8, 9]], jnp.int32)
+    _, cache = module(prefix, jnp.arange(5)[None], module.new_cache(1, 32))
+    new, pos = jnp.asarray([[11, 12, 13]], jnp.int32), 5 + jnp.arange(3)[None]
+    xla, _ = module(new, pos, cache, attention_impl="xla")
+
+    def kernel_called(*args, **kwargs):
+        raise AssertionError("the compiled kernel was called with a head dim it cannot take")
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernel_module, "verify_attention", kernel_called)
+    hinted, _ = module(new, pos, cache, attention_impl="pallas")
+    np.testing.assert_array_equal(hinted.logits, xla.logits)
 
 
 def test_generate_pallas_equals_xla_tiny(tiny_lm):
