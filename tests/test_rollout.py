@@ -327,3 +327,26 @@ def test_tail_policy_learns_what_a_drafting_chunk_costs():
     assert shared.factor(8) == pytest.approx(0.9 / 1.1)
     assert shared.factor(128) == pytest.approx(1.61 / 1.22)  # each batch keeps its own
     assert overhead_for(("a shape",)) is overhead_for(("a shape",)) is not overhead_for(("another",))
+
+
+def test_tail_policy_pairs_its_first_drafting_chunk_with_a_plain_one():
+    """Acceptance high enough to keep drafting would never run the plain chunk the drafting cost is learned
+    from (T = 0.7, 128 rows: seven drafting chunks in a row, 1.74x slower than plain). So, once per shape, the
+    chunk after the first drafting one runs plain at the same batch; then the policy decides on what it learned."""
+    costs = {128: {1: 1.0, 3: 1.22, 5: 1.55, 9: 2.25}, 32: {1: 1.0, 3: 1.05, 5: 1.1, 9: 1.3}}
+    shared = DraftingOverhead()
+    policy = _policy(costs, overhead=shared)
+    high = np.array([0.25 * 128 * 16, 0.15 * 128 * 16] + [0.0] * 6)  # 0.25 and 0.15 accepted per row-step
+    assert policy.choose(128) == 2
+    policy.observe(2, high, 128 * 16, batch=128, step_seconds=1.61)
+    assert not shared.measured
+    assert policy.expected_gain(128)[2] > 1  # acceptance alone would keep drafting
+    assert policy.choose(128) == 0  # the pairing chunk
+    assert policy.choose(32) > 0  # only at the batch that drafted
+    policy.observe(0, np.zeros(8), 128 * 16, batch=128, step_seconds=1.0)
+    assert shared.measured and shared.factor(128) == pytest.approx(1.61 / 1.22)
+    assert policy.choose(128) == 0  # (1 + 0.4) / 1.61 < 1: drafting does not pay at 128 rows
+    # Once measured, no more forced plain chunks: a drafting chunk at a cheap batch is followed by another.
+    assert policy.choose(32) > 0
+    policy.observe(2, high * 32 / 128, 32 * 16, batch=32, step_seconds=1.1)
+    assert policy.choose(32) > 0
