@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxspec.cache import KVCache, write_new
 from jaxspec.kernels.cpu import MatmulImpl, default_impl, project, uses_kernel
+from jaxspec.kernels.verify_attention import compiled_supports, verify_attention
 from jaxspec.sharding import constrain
 
 from .config import ModelConfig
@@ -105,25 +106,16 @@ class Attention(nnx.Module):
             out = _attention_beside_cache(q, k_cache, v_cache, k, v, lengths, tree_mask, cfg)
             return project(self.o[...], out.reshape(B * T, H * hd).T, self.matmul), k, v
         k_cache, v_cache = write_new(k_cache, k, lengths), write_new(v_cache, v, lengths)
-        if attention_impl == "pallas" and _pallas_runs(hd):
-            from jaxspec.kernels.verify_attention import verify_attention
-
-            out = verify_attention(q, k_cache, v_cache, lengths, tree_mask,
-                                   interpret=jax.default_backend() == "cpu")
+        # "pallas" is a hint: the interpreter (CPU) takes any head dim, the compiled kernel only those Triton takes,
+        # so a model with another (8, 80, ...) uses XLA's attention rather than fail on a GPU, where it is the default.
+        interpret = jax.default_backend() == "cpu"
+        if attention_impl == "pallas" and (interpret or compiled_supports(hd)):
+            out = verify_attention(q, k_cache, v_cache, lengths, tree_mask, interpret=interpret)
         elif visible is not None:  # the caller's own mask over the whole cache (the EAGLE head's trees)
             out = _xla_attention(q, k_cache, v_cache, visible, cfg)
         else:
             out = _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg, cached_slots)
         return project(self.o[...], out.reshape(B * T, H * hd).T, self.matmul), k_cache, v_cache
-
-
-def _pallas_runs(head_dim: int) -> bool:
-    """The Pallas kernel runs here: interpreted on CPU (any head dim), compiled elsewhere only for the head dims
-    Triton takes. "pallas" is a hint, so a model whose head dim the compiled kernel cannot take (8, 80, ...) uses
-    XLA's attention rather than fail on the GPU, where "pallas" is the default."""
-    from jaxspec.kernels.verify_attention import compiled_supports
-
-    return jax.default_backend() == "cpu" or compiled_supports(head_dim)
 
 
 def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):

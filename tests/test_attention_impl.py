@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.kernels import verify_attention as kernel_module
 from jaxspec.kernels.verify_attention import compiled_supports
+from jaxspec.models import llama as llama_module
 
 
 def test_forward_pallas_equals_xla_chain_and_tree(tiny_lm):
@@ -44,7 +44,7 @@ def test_pallas_hint_uses_xla_where_the_compiled_kernel_cannot_take_the_head_dim
         raise AssertionError("the compiled kernel was called with a head dim it cannot take")
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(kernel_module, "verify_attention", kernel_called)
+    monkeypatch.setattr(llama_module, "verify_attention", kernel_called)
     hinted, _ = module(new, pos, cache, attention_impl="pallas")
     np.testing.assert_array_equal(hinted.logits, xla.logits)
 
