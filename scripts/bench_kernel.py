@@ -39,8 +39,8 @@ import numpy as np
 from jax import lax
 
 from benchkit import machine, tables
-from benchkit.timing import clocked
-from jaxspec.kernels.verify_attention import BlockSizes, verify_attention, verify_attention_reference
+from benchkit.timing import interleave, timer
+from jaxspec.kernels.verify_attention import BlockSizes, ancestor_mask, verify_attention, verify_attention_reference
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
@@ -65,20 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def random_tree_mask(rng: np.random.Generator, batch: int, num_new: int) -> np.ndarray:
-    """bool[B, T, T]: node i sees itself and its ancestors in a random forest (parent < child)."""
-    parents = np.full((batch, num_new), -1)
-    for b in range(batch):
-        for i in range(1, num_new):
-            parents[b, i] = rng.integers(-1, i)
-    mask = np.zeros((batch, num_new, num_new), dtype=bool)
-    for b in range(batch):
-        for i in range(num_new):
-            node = i
-            while node >= 0:
-                mask[b, i, node] = True
-                node = parents[b, node]
-    return mask
+def random_tree_mask(rng: np.random.Generator, batch: int, num_new: int) -> jax.Array:
+    """bool[B, T, T]: node i sees itself and its ancestors in a random forest (parent < child; -1 a root)."""
+    parents = np.full((batch, num_new), -1, np.int32)
+    for i in range(1, num_new):
+        parents[:, i] = rng.integers(-1, i, size=batch)
+    return ancestor_mask(jnp.asarray(parents))
 
 
 def looped(attend, calls: int):
@@ -101,7 +93,7 @@ def measure(args, batch: int, num_new: int, num_slots: int, rng: np.random.Gener
     q = jnp.asarray(rng.standard_normal((batch, num_new, NUM_Q_HEADS, HEAD_DIM)), dtype)
     k = jnp.asarray(rng.standard_normal((batch, NUM_KV_HEADS, num_slots, HEAD_DIM)), dtype)
     v = jnp.asarray(rng.standard_normal((batch, NUM_KV_HEADS, num_slots, HEAD_DIM)), dtype)
-    mask = jnp.asarray(random_tree_mask(rng, batch, num_new)) if args.tree else None
+    mask = random_tree_mask(rng, batch, num_new) if args.tree else None
     impls = {
         "xla": verify_attention_reference,
         "pallas": functools.partial(verify_attention, interpret=args.interpret),
@@ -112,18 +104,13 @@ def measure(args, batch: int, num_new: int, num_slots: int, rng: np.random.Gener
     rows = []
     for fill, length in (("full", num_slots - num_new), ("1/8", num_slots // 8)):
         lengths = jnp.full((batch,), length, jnp.int32)
-        # Same answer first (one call each), then compile the loops before anything is timed.
+        # Same answer first (one call each); `interleave` compiles every loop before it times any.
         outs = {name: np.asarray(fn(q, k, v, lengths, mask), np.float32) for name, fn in impls.items()}
         error = max(float(np.max(np.abs(out - outs["xla"]))) for out in outs.values())
-        for run in loops.values():
-            jax.block_until_ready(run(q, k, v, lengths, mask))
-        times: dict[str, list[float]] = {name: [] for name in loops}
-        for r in range(args.repeats):
-            for name in (list(loops) if r % 2 == 0 else list(loops)[::-1]):
-                call = functools.partial(loops[name], q, k, v, lengths, mask)
-                seconds, _ = clocked(functools.partial(blocking, call))
-                times[name].append(seconds / args.calls)
-        us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+        runs = {name: timer(functools.partial(blocking, functools.partial(loop, q, k, v, lengths, mask)))
+                for name, loop in loops.items()}
+        times = interleave(runs, args.repeats, alternate=True)
+        us = {name: statistics.median(t) / args.calls * 1e6 for name, t in times.items()}
         rows.append(dict(batch=batch, num_new=num_new, num_slots=num_slots, fill=fill, length=length, us=us,
                          speedup=us["xla"] / us["pallas"], max_abs_error=error))
     return rows
