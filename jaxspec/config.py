@@ -272,13 +272,17 @@ class SpecConfig:
     ngram_max: int = 4  # prompt lookup tries n-grams of ngram_max .. min_match tokens
     sam_source: SamSource = "dynamic"
     # Widths (new tokens per row) the verify forward may take; each step runs the narrowest one that holds
-    # the longest draft in the batch, so a step where no row drafts costs one plain decode step.
+    # the longest draft in the batch, so a step where no row drafts costs one plain decode step (unless the
+    # width is chosen by cost, `cost_aware`).
     # Default (1, K + 1); (K + 1,) always verifies at full width. Each width compiles its own forward.
     verify_widths: tuple[int, ...] | None = None
     # Chains: choose each step's verify width from the measured cost of each width and each row's running
     # acceptance (jaxspec.cost), instead of the narrowest width holding the longest draft. Measured once per
-    # shape and cached on disk.
-    cost_aware: bool = False
+    # shape and cached on disk. None (the default) is True for a batch of more than one row and False for one:
+    # at 8 rows one drafting row makes the whole batch pay a wide forward (c(9) ~ 2.6 plain steps on a 2-core
+    # CPU), which the narrowest-width rule took at 0.44-0.50x of plain decoding's speed and the cost-aware one
+    # declines; at one row the matched-length rule is tuned and drafts more (docs/BENCHMARKS.md).
+    cost_aware: bool | None = None
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
     # medusa / eagle / eagle2 / eagle3: the trained head's file (jaxspec.models.heads.save_head); None takes the
     # head shipped for the model (models/weights/<model>.<kind>.safetensors).
@@ -372,14 +376,19 @@ class SpecConfig:
                                  f"eagle2, eagle3), not method={self.method!r}")
         if self.head_path is not None and not isinstance(self.head_path, (str, os.PathLike)):
             raise ValueError(f"head_path={self.head_path!r} must be a path")
-        if not isinstance(self.cost_aware, (bool, np.bool_)):
-            raise ValueError(f"cost_aware={self.cost_aware!r} must be True or False")
+        if self.cost_aware is not None and not isinstance(self.cost_aware, (bool, np.bool_)):
+            raise ValueError(f"cost_aware={self.cost_aware!r} must be True, False or None (True above one row)")
         if self.self_draft_layers < 1:
             raise ValueError(f"self_draft_layers={self.self_draft_layers!r} must be >= 1")
         widths = tuple(self.verify_widths)
         if not widths or min(widths) < 1 or max(widths) != k + 1:
             raise ValueError(f"verify_widths={widths!r} must be >= 1 and end at num_speculative_tokens + 1 = {k + 1}")
         object.__setattr__(self, "verify_widths", tuple(sorted(set(widths))))
+
+    def cost_aware_at(self, batch: int) -> bool:
+        """Whether a batch of `batch` rows chooses each step's verify width by measured cost (`cost_aware`;
+        None means above one row)."""
+        return batch > 1 if self.cost_aware is None else bool(self.cost_aware)
 
     @classmethod
     def adaptive_sam(cls, **overrides) -> "SpecConfig":

@@ -25,7 +25,7 @@ from .methods import build_proposer
 from .models.loading import LanguageModel
 from .penalties import any_penalty
 from .proposers.base import Draft, Proposer
-from .shapes import bucket_shapes, widths_for_forced_text, widths_for_long_drafts
+from .shapes import CACHE_ALIGN, bucket_shapes, widths_for_cost_choice, widths_for_forced_text, widths_for_long_drafts
 from .text import TextStream
 
 
@@ -454,11 +454,15 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     if isinstance(proposer, constrained.ForcedTokenProposer):
         widths = widths_for_forced_text(widths, proposer.num_speculative_tokens)
     verify_cost = None
-    if req.spec.cost_aware and len(widths) > 1 and cost.enabled():
-        # Costs at a cache about half filled with output, the middle of the run.
+    # Chains only (a tree of K nodes accepts at most its depth, fewer than K): the loop ignores a tree's table.
+    chains = proposer.max_depth == proposer.num_speculative_tokens
+    if chains and req.spec.cost_aware_at(batch) and len(widths) > 1 and cost.enabled():
+        widths = widths_for_cost_choice(widths, proposer.num_speculative_tokens)
+        # Costs at a cache about half filled with output, the middle of the run, rounded down to the cache's
+        # alignment: the table is keyed by it, and calls whose prompts differ by a few tokens share one.
+        middle = max(prompt_lens) + req.max_new_tokens // 2
         costs = cost.measure_verify_cost(lm, batch=batch, cache_len=cache_len, widths=widths,
-                                         cached=max(prompt_lens) + req.max_new_tokens // 2,
-                                         attention_impl=req.attention_impl)
+                                         cached=middle - middle % CACHE_ALIGN, attention_impl=req.attention_impl)
         verify_cost = jnp.asarray(costs, jnp.float32)
     prepared = Prepared(
         prompts=jnp.asarray(padded), prompt_lens=jnp.asarray(prompt_lens, jnp.int32), sampling=req.sampling,

@@ -209,7 +209,8 @@ def _defaults(**settings) -> Mapping[str, Any]:
 # (docs/BENCHMARKS.md): scoring T new tokens costs c(T) plain steps, so a draft pays only when its expected
 # accepted run beats c(T) - 1, and the matched suffix length predicts the run. Nothing is drafted below
 # `min_match` tokens, at most `draft_per_match` x the match length above it, and each step runs the narrowest
-# verify width holding the batch's longest draft. Widths 2-8 are left out on purpose: at batch 1 XLA:CPU runs a
+# verify width holding the batch's longest draft (at one row; above one, the width the measured costs favour,
+# `SpecConfig.cost_aware`). Widths 2-8 are left out on purpose: at batch 1 XLA:CPU runs a
 # forward over 2-5 new tokens at 3-4x the cost of one token but over 9 tokens at ~1.3x (measured,
 # docs/BENCHMARKS.md), so K = 8 and 16 are the cheap ones. Trained heads: K counts drafted tokens (eagle, a
 # chain) or tree nodes (medusa, eagle2); 7 and 15 make verify widths 8 and 16, which XLA:CPU runs at 1.5-1.8

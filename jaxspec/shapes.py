@@ -51,6 +51,13 @@ LONG_DRAFT_WIDTHS = (9, 17, 33, 65)
 FORCED_TEXT_WIDTHS = (3, 5)
 
 
+# Verify widths offered beside a chain method's own where each step's width is chosen by measured cost (by
+# default, batches of several rows): at 8 rows a forward over 2 new tokens per row costs about one plain step on a
+# 2-core CPU, over 3 and 5 1.3-1.8, against 2.5-2.7 over 9 (docs/BENCHMARKS.md), so a step where a few rows draft
+# can still score their first drafts cheaply. The table decides which of them a step runs.
+COST_CHOICE_WIDTHS = (2, 3, 5)
+
+
 def _with_widths(widths: Sequence[int], extra: Sequence[int], k: int) -> tuple[int, ...]:
     """`widths` plus the `extra` ones up to K + 1, sorted, each once."""
     return tuple(sorted(set(widths) | {w for w in extra if w <= k + 1}))
@@ -64,3 +71,8 @@ def widths_for_forced_text(widths: Sequence[int], k: int) -> tuple[int, ...]:
 def widths_for_long_drafts(widths: Sequence[int], k: int) -> tuple[int, ...]:
     """`widths` plus LONG_DRAFT_WIDTHS up to K + 1, and K + 1."""
     return _with_widths(widths, (*LONG_DRAFT_WIDTHS, k + 1), k)
+
+
+def widths_for_cost_choice(widths: Sequence[int], k: int) -> tuple[int, ...]:
+    """`widths` plus COST_CHOICE_WIDTHS up to K + 1."""
+    return _with_widths(widths, COST_CHOICE_WIDTHS, k)

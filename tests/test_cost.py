@@ -47,9 +47,17 @@ def test_the_running_rate_starts_at_the_prior_and_follows_the_counts():
     assert np.allclose(rate, [cost.PRIOR_RATE, (90 + 2) / 104, 2 / 104])
 
 
-def test_cost_aware_must_be_a_bool():
-    with pytest.raises(ValueError, match="cost_aware='yes' must be True or False"):
+def test_cost_aware_must_be_a_bool_or_none():
+    with pytest.raises(ValueError, match="cost_aware='yes' must be True, False or None"):
         SpecConfig(method="sam", cost_aware="yes")
+
+
+def test_unset_cost_awareness_means_above_one_row():
+    auto, fixed, always = SpecConfig(method="sam"), SpecConfig(method="sam", cost_aware=False), \
+        SpecConfig(method="sam", cost_aware=True)
+    assert auto.cost_aware is None
+    assert [auto.cost_aware_at(b) for b in (1, 2, 8)] == [False, True, True]
+    assert not any(fixed.cost_aware_at(b) for b in (1, 8)) and all(always.cost_aware_at(b) for b in (1, 8))
 
 
 @pytest.fixture
@@ -110,6 +118,43 @@ def test_cheap_wide_costs_let_an_accurate_proposer_draft_at_full_width(tiny_lm, 
     assert out.token_ids == plain.token_ids
     # The oracle is always right: every step but the last ones commits K + 1 tokens.
     assert out.stats.mean_acceptance_length > 0.8 * (K + 1)
+
+
+def test_the_default_measures_chains_of_several_rows_only(tiny_lm, prompts, head_files, cache_dir, monkeypatch):
+    timed = []
+    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: timed.append(batch) or tuple(
+        float(w) for w in widths))
+    sam = SpecConfig(method="sam")
+    assert jaxspec.prepare(tiny_lm, prompts[:1], max_new_tokens=8, spec=sam).verify_cost is None
+    assert jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8,
+                           spec=SpecConfig(method="sam", cost_aware=False)).verify_cost is None
+    tree = SpecConfig(method="medusa", head_path=head_files["medusa"], num_speculative_tokens=7, verify_widths=(1, 8))
+    assert jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8, spec=tree).verify_cost is None
+    assert timed == []
+    p = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8, spec=sam)
+    assert timed == [3]
+    # The cost choice is offered the narrow widths too (shapes.COST_CHOICE_WIDTHS), each measured.
+    assert p.widths == (1, 2, 3, 5, 9, 17) and p.verify_cost.tolist() == list(p.widths)
+
+
+def test_the_default_declines_dear_widths_above_one_row(tiny_lm, prompts, cache_dir, monkeypatch):
+    """Unset cost awareness at three rows: prohibitive measured costs mean plain steps, cheap ones let the
+    oracle draft; at one row the narrowest-width rule drafts whatever the table would say."""
+    greedy = SamplingParams(temperature=0.0)
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, sampling=greedy)
+    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(
+        1.0 if w == 1 else 100.0 for w in widths))
+    dear = _oracle_run(tiny_lm, prompts, plain, greedy, cost_aware=None)
+    assert dear.token_ids == plain.token_ids
+    assert dear.stats.drafted == 0 and dear.stats.steps == plain.stats.steps
+    one = _oracle_run(tiny_lm, prompts[:1], jaxspec.generate(tiny_lm, prompts[:1], max_new_tokens=40,
+                                                             sampling=greedy), greedy, cost_aware=None)
+    assert one.stats.drafted > 0 and one.stats.accepted > 0
+    cost._MEMO.clear()
+    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(1.0 for _ in widths))
+    cheap = _oracle_run(tiny_lm, prompts, plain, greedy, cost_aware=None)
+    assert cheap.token_ids == plain.token_ids
+    assert cheap.stats.drafted > 0 and cheap.stats.mean_acceptance_length > 0.8 * (K + 1)
 
 
 def test_switched_off_by_the_environment(tiny_lm, prompts, monkeypatch):

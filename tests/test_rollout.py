@@ -29,6 +29,15 @@ MIXED = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=
          SamplingParams(temperature=0.0)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _measured_costs(tmp_path_factory):
+    """The tail policy weighs forward costs measured here, in a folder of this module's (the suite switches
+    measuring off elsewhere)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(jaxspec.cost.CACHE_ENV, str(tmp_path_factory.mktemp("verify_cost")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def peaked_lm(tiny_lm):
     """The tiny model with its LM head scaled 40x: peaked next-token distributions."""
