@@ -279,7 +279,7 @@ class SpecConfig:
     # Chains: choose each step's verify width from the measured cost of each width and each row's running
     # acceptance (jaxspec.cost), instead of the narrowest width holding the longest draft. Measured once per
     # shape and cached on disk. None (the default) is True for a batch of more than one row and False for one:
-    # at 8 rows one drafting row makes the whole batch pay a wide forward (c(9) ~ 2.6 plain steps on a 2-core
+    # at 8 rows one drafting row makes the whole batch pay a wide forward (c(9) ~ 2.7 plain steps on a 2-core
     # CPU), which the narrowest-width rule took at 0.42-0.51x of plain decoding's speed and the cost-aware one
     # declines; at one row the matched-length rule is tuned and drafts more (docs/BENCHMARKS.md). The first
     # call of a shape pays for the measurement (45 s for SmolLM2 at 8 rows on a 2-core CPU, mostly compiling

@@ -147,8 +147,9 @@ def test_the_default_declines_dear_widths_above_one_row(tiny_lm, prompts, cache_
     dear = _oracle_run(tiny_lm, prompts, plain, greedy, cost_aware=None)
     assert dear.token_ids == plain.token_ids
     assert dear.stats.drafted == 0 and dear.stats.steps == plain.stats.steps
-    one = _oracle_run(tiny_lm, prompts[:1], jaxspec.generate(tiny_lm, prompts[:1], max_new_tokens=40,
-                                                             sampling=greedy), greedy, cost_aware=None)
+    plain_one = jaxspec.generate(tiny_lm, prompts[:1], max_new_tokens=40, sampling=greedy)
+    one = _oracle_run(tiny_lm, prompts[:1], plain_one, greedy, cost_aware=None)
+    assert one.token_ids == plain_one.token_ids
     assert one.stats.drafted > 0 and one.stats.accepted > 0
     cost._MEMO.clear()
     monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(1.0 for _ in widths))
