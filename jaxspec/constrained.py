@@ -37,7 +37,7 @@ from .constraints import (
     stack,
     states_along,
 )
-from .proposers.base import BatchShared, ChainProposer, Committed, Context, Draft, Proposer
+from .proposers.base import BatchShared, ChainProposer, Committed, Context, Draft, Proposer, drafts_chains
 
 
 @flax.struct.dataclass
@@ -114,7 +114,7 @@ class ForcedTokenProposer(ChainProposer):
 
     def __post_init__(self):
         inner = self.inner
-        if inner is not None and (inner.needs_features or inner.max_depth != inner.num_speculative_tokens
+        if inner is not None and (inner.needs_features or not drafts_chains(inner)
                                   or inner.num_speculative_tokens > self.num_speculative_tokens):
             raise ValueError(f"inner={type(inner).__name__}: forced tokens draft beside a chain proposer of K' <= "
                              f"{self.num_speculative_tokens} (none, ngram, sam, predictions)")

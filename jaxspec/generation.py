@@ -24,7 +24,7 @@ from .logprobs import TokenLogprob, to_host
 from .methods import build_proposer
 from .models.loading import LanguageModel
 from .penalties import any_penalty
-from .proposers.base import Draft, Proposer
+from .proposers.base import Draft, Proposer, drafts_chains
 from .shapes import CACHE_ALIGN, bucket_shapes, widths_for_cost_choice, widths_for_forced_text, widths_for_long_drafts
 from .text import TextStream
 
@@ -454,9 +454,8 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     if isinstance(proposer, constrained.ForcedTokenProposer):
         widths = widths_for_forced_text(widths, proposer.num_speculative_tokens)
     verify_cost = None
-    # Chains only (a tree of K nodes accepts at most its depth, fewer than K): the loop ignores a tree's table.
-    chains = proposer.max_depth == proposer.num_speculative_tokens
-    if chains and req.spec.cost_aware_at(batch) and len(widths) > 1 and cost.enabled():
+    # Chains only: the loop ignores a tree's table.
+    if drafts_chains(proposer) and req.spec.cost_aware_at(batch) and len(widths) > 1 and cost.enabled():
         widths = widths_for_cost_choice(widths, proposer.num_speculative_tokens)
         # Costs at a cache about half filled with output, the middle of the run, rounded down to the cache's
         # alignment: the table is keyed by it, and calls whose prompts differ by a few tokens share one.

@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import SpecConfig
 from .decode import NoProposer
-from .proposers.base import Proposer
+from .proposers.base import Proposer, drafts_chains
 from .proposers.prediction import PredictionProposer, PredictionState, pad_predictions, with_prediction
 from .shapes import next_pow2
 
@@ -80,7 +80,7 @@ def _short(x, limit: int = 80) -> str:
 def wrap(proposer: Proposer, spec: SpecConfig, predictions: Predictions) -> PredictionProposer:
     """The row proposer drafting from predictions first, `proposer` (a deterministic chain) otherwise."""
     inner = None if isinstance(proposer, NoProposer) else proposer
-    if inner is not None and (inner.needs_features or inner.max_depth != inner.num_speculative_tokens):
+    if inner is not None and (inner.needs_features or not drafts_chains(inner)):
         raise ValueError(f"prediction= drafts beside a chain proposer (methods none, ngram, sam, or a custom chain); "
                          f"method={spec.method!r} drafts from the target's features or a tree")
     k = max(spec.prediction_tokens, spec.num_speculative_tokens)

@@ -114,6 +114,12 @@ class Proposer(Protocol):
         ...
 
 
+def drafts_chains(proposer: Proposer) -> bool:
+    """Whether `proposer` drafts chains: one step can accept all K of its drafts (a tree of K nodes accepts at
+    most its depth, fewer than K)."""
+    return proposer.max_depth == proposer.num_speculative_tokens
+
+
 class ChainProposer:
     """The declarations of a proposer that drafts chains from tokens alone (n-gram, suffix automaton, a draft
     model): it reads no hidden states, and one step can accept all K of its drafts. Inherit it beside
