@@ -282,8 +282,8 @@ class SpecConfig:
     # at 8 rows one drafting row makes the whole batch pay a wide forward (c(9) ~ 2.7 plain steps on a 2-core
     # CPU), which the narrowest-width rule took at 0.42-0.51x of plain decoding's speed and the cost-aware one
     # declines; at one row the matched-length rule is tuned and drafts more (docs/BENCHMARKS.md). The first
-    # call of a shape pays for the measurement (45 s for SmolLM2 at 8 rows on a 2-core CPU, mostly compiling
-    # the widths' forwards); JAXSPEC_VERIFY_COST=off switches it off.
+    # call of a shape pays for the measurement (45 s for SmolLM2 at 8 rows on a 2-core CPU: compiling and
+    # timing six widths' forwards); JAXSPEC_VERIFY_COST=off switches it off.
     cost_aware: bool | None = None
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
     # medusa / eagle / eagle2 / eagle3: the trained head's file (jaxspec.models.heads.save_head); None takes the
