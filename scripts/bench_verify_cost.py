@@ -8,7 +8,7 @@ it costs several (docs/cpu-performance.md). Two measurements, each path's calls 
 1. The projection microbenchmark: thirty `w [1536, 576] @ x [576, T]` products over separate weight arrays
    (SmolLM2-135M's MLP shapes, one per layer), timed inside a jitted loop: XLA as `x^T @ w^T` (the row-major
    form), XLA as `w @ x` (the model's form), and the kernel (with its helper threads, on one thread, each loop
-   form, and its AVX2 path).
+   form, and, on an AVX-512 CPU, its AVX2 path).
 2. c(T): the default model's forward over T new tokens per row (logits at every token, a `--cache-len`-slot
    cache holding `--context` tokens, timed inside a jitted loop of `--forwards` forwards as a verify step runs
    it) divided by the one-token forward of the same path, for each `--impls` path; "vs xla T=1" divides by
@@ -57,10 +57,13 @@ def micro_variants(kernel: bool) -> dict[str, callable]:
             "kernel": lambda w, x, wt: cpu_kernels.matmul(w, x),
             "kernel 1 thread": lambda w, x, wt: cpu_kernels.matmul(w, x, threads=1),
         })
-        if cpu_kernels.isa() == "avx512":
+        if cpu_kernels.isa() in ("avx512", "avx2"):
             variants.update({
                 "kernel dot": lambda w, x, wt: cpu_kernels.matmul(w, x, form="dot"),
                 "kernel broadcast": lambda w, x, wt: cpu_kernels.matmul(w, x, form="broadcast"),
+            })
+        if cpu_kernels.isa() == "avx512":
+            variants.update({
                 # The path of CPUs without AVX-512, timed here on an AVX-512 CPU.
                 "kernel avx2": lambda w, x, wt: cpu_kernels.matmul(w, x, isa="avx2"),
             })

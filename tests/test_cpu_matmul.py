@@ -38,11 +38,11 @@ def kernel():
 
 
 def _variants():
-    """(isa, form, threads) for every code path this CPU runs; the broadcast form exists on AVX-512 only."""
+    """(isa, form, threads) for every code path this CPU runs; the baseline path has the dot form only."""
     paths = {"avx512": ["avx512", "avx2", "generic"], "avx2": ["avx2", "generic"]}.get(cpu_kernels.isa(), ["generic"])
     out = []
     for isa in paths:
-        for form in (("dot", "broadcast", "auto") if isa == "avx512" else ("auto",)):
+        for form in (("dot", "broadcast", "auto") if isa != "generic" else ("auto",)):
             out += [(isa, form, 0), (isa, form, 1)]
     return out
 
@@ -52,9 +52,11 @@ def _operands(rng, m, k, n):
     return jnp.asarray(w, jnp.float32), jnp.asarray(x, jnp.float32)
 
 
-# Columns: the dot form (1-11), broadcasts with a dot-form remainder (17, 20, 33), with a masked last vector (21),
-# whole vectors (64).
-SHAPES = [(m, k, n) for n in (1, 2, 3, 7, 8, 9, 17, 20, 21, 33, 64) for m, k in ((97, 576), (1003, 1536), (61, 100))]
+# Columns: the dot form (1-11); broadcasts (AVX-512: vectors of 16; AVX2: of 8) with a dot-form remainder
+# (AVX2: 9, 12, 17, 20, 33; AVX-512: 17, 20, 33), with a masked last vector (AVX2: 13, 21; AVX-512: 21), whole
+# vectors (AVX2: 16, 64; AVX-512: 64). Every form is forced on every shape too.
+SHAPES = [(m, k, n) for n in (1, 2, 3, 7, 8, 9, 12, 13, 16, 17, 20, 21, 33, 64)
+          for m, k in ((97, 576), (1003, 1536), (61, 100))]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)

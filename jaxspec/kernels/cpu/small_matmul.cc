@@ -14,25 +14,20 @@
 //   - broadcast form (more columns): vectors run along N; each w element is broadcast and multiplies a row
 //     of x. No transpose, no horizontal sums, but a column block always costs 16 lanes, so it pays once
 //     N fills most of a vector; up to 4 columns past the last full vector go through the dot form instead.
-// Work is split over `out` rows: the calling thread and helper threads of this library (one per further core)
-// claim chunks of rows from an atomic counter, so a helper that starts late (or never) costs nothing.
+// Work is split over `out` rows: the calling thread and tasks on XLA's intra-op thread pool claim chunks of rows
+// from an atomic counter, so a task that starts late (or never) costs nothing.
 //
-// Code paths chosen at run time: AVX-512 (both forms, intrinsics), and a portable dot form compiled twice
-// (for AVX2+FMA and for the baseline ISA, portable_tiles.inc). The FFI attribute `isa` can force one.
-
-#ifdef __linux__
-#include <sched.h>
-#endif
+// Code paths chosen at run time: AVX-512 (both forms, intrinsics); AVX2+FMA (the portable dot form, and the
+// broadcast form in intrinsics); the baseline ISA (the portable dot form alone). The portable dot form is one
+// source compiled twice (portable_tiles.inc). The FFI attributes `isa` and `form` can force a path.
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
@@ -70,6 +65,125 @@ namespace generic {
 #pragma GCC target("avx2,fma")
 namespace avx2 {
 #include "portable_tiles.inc"
+
+// ---- broadcast form: R rows x V vectors of 8 columns, vectors along N (intrinsics) ----------------------------
+
+// 6 rows x up to 2 vectors: 12 accumulators + 2 x vectors + a broadcast of the 16 registers. Few rows per tile
+// made the dot form lose to XLA from 16 columns on AVX2: every 3-row tile of w re-reads all of x from L2, while
+// this tile reads x once per 6 rows and needs no transpose.
+constexpr int kBcastRows = 6;
+constexpr int kBcastMaxVectors = 2;
+// Columns past the last full vector, up to this many, go through the dot form on the same rows of w (in L1).
+constexpr int kDotRemainder = 4;
+
+// The lanes of a vector that `rest` (1..8) columns fill, as maskload/maskstore want them (sign bit set).
+inline __m256i LaneMask(int rest) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), lanes);
+}
+
+// kFull: the last vector is whole (plain loads and stores); else masked by `last`.
+template <int R, int V, bool kFull>
+inline void BcastTile(const Gemm& g, int64_t row, int64_t col, __m256i last, const float* next) {
+  __m256 acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  const float* w = g.w + row * g.k;
+  const float* x = g.x + col;
+  for (int64_t i = 0; i < g.k; ++i, x += g.n) {
+    if (next != nullptr && i % 16 == 0) {  // a cache line of each of the next tile's rows per 16 steps
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * g.k + i), _MM_HINT_T0);
+    }
+    __m256 xv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V - 1; ++v) xv[v] = _mm256_loadu_ps(x + 8 * v);
+    xv[V - 1] = kFull ? _mm256_loadu_ps(x + 8 * (V - 1)) : _mm256_maskload_ps(x + 8 * (V - 1), last);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 wb = _mm256_broadcast_ss(w + r * g.k + i);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(wb, xv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float* y = g.y + (row + r) * g.n + col;
+#pragma GCC unroll 4
+    for (int v = 0; v < V - 1; ++v) _mm256_storeu_ps(y + 8 * v, acc[r][v]);
+    if (kFull) {
+      _mm256_storeu_ps(y + 8 * (V - 1), acc[r][V - 1]);
+    } else {
+      _mm256_maskstore_ps(y + 8 * (V - 1), last, acc[r][V - 1]);
+    }
+  }
+}
+
+// Whether the broadcast form needs xt (the dot form does its last columns).
+inline bool BcastNeedsTranspose(int64_t n) { return n > 8 && n % 8 != 0 && n % 8 <= kDotRemainder; }
+
+// The last `cols` (1..4) columns from `col` on, for R rows, by dot tiles of at most 3 rows (more would spill).
+template <int R>
+inline void DotRemainder(const Gemm& g, int64_t row, int64_t col, int64_t cols) {
+  if constexpr (R > kDotRows) {
+    DotRemainder<kDotRows>(g, row, col, cols);
+    DotRemainder<R - kDotRows>(g, row + kDotRows, col, cols);
+  } else {
+    switch (cols) {
+      case 1: DotTile<R, 1>(g, row, col, nullptr); break;
+      case 2: DotTile<R, 2>(g, row, col, nullptr); break;
+      case 3: DotTile<R, 3>(g, row, col, nullptr); break;
+      case 4: DotTile<R, 4>(g, row, col, nullptr); break;
+      default: break;
+    }
+  }
+}
+
+template <int R, int V>
+inline void BcastBlock(const Gemm& g, int64_t row, int64_t col, int rest, const float* next) {
+  if (rest == 8) {
+    BcastTile<R, V, true>(g, row, col, _mm256_setzero_si256(), next);
+  } else {
+    BcastTile<R, V, false>(g, row, col, LaneMask(rest), next);
+  }
+}
+
+// One row tile against every column block; the first block prefetches the next tile's rows of w (`next`).
+template <int R>
+inline void BcastRowTile(const Gemm& g, int64_t row, const float* next) {
+  const int64_t rem = g.n % 8;
+  const int64_t vectored = BcastNeedsTranspose(g.n) ? g.n - rem : g.n;  // columns done by broadcasts
+  for (int64_t col = 0; col < vectored; col += 8 * kBcastMaxVectors) {
+    const float* pf = col == 0 ? next : nullptr;
+    const int64_t width = std::min<int64_t>(vectored - col, 8 * kBcastMaxVectors);
+    const int vectors = static_cast<int>((width + 7) / 8);
+    const int rest = static_cast<int>(width - 8 * (vectors - 1));  // 1..8 columns in the last vector
+    if (vectors == 1) {
+      BcastBlock<R, 1>(g, row, col, rest, pf);
+    } else {
+      BcastBlock<R, 2>(g, row, col, rest, pf);
+    }
+  }
+  if (g.n > vectored) DotRemainder<R>(g, row, vectored, g.n - vectored);
+}
+
+void BcastRows(const Gemm& g, int64_t begin, int64_t end) {
+  int64_t row = begin;
+  for (; row + kBcastRows <= end; row += kBcastRows) {
+    BcastRowTile<kBcastRows>(g, row, row + 2 * kBcastRows <= end ? g.w + (row + kBcastRows) * g.k : nullptr);
+  }
+  switch (end - row) {
+    case 5: BcastRowTile<5>(g, row, nullptr); break;
+    case 4: BcastRowTile<4>(g, row, nullptr); break;
+    case 3: BcastRowTile<3>(g, row, nullptr); break;
+    case 2: BcastRowTile<2>(g, row, nullptr); break;
+    case 1: BcastRowTile<1>(g, row, nullptr); break;
+    default: break;
+  }
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -264,6 +378,8 @@ enum Form : int64_t { kFormAuto = 0, kFormDot = 1, kFormBroadcast = 2 };
 // products the two tied at 12 columns, dot won below (4.5 against 5.6 ms at 8), broadcast above (5.6 against
 // 6.8 ms at 16); scripts/bench_verify_cost.py prints both forms.
 constexpr int64_t kBroadcastFromColumns = 12;
+// The same for the AVX2 path (timed on an AVX2-only AMD EPYC): the broadcast form won from 8 columns.
+constexpr int64_t kAvx2BroadcastFromColumns = 8;
 
 bool Supported(int64_t isa) {
 #ifdef JAXSPEC_X86
@@ -295,8 +411,11 @@ RowsFn Kernel(int64_t isa, int64_t form, int64_t n, bool* needs_transpose) {
     *needs_transpose = !bcast || avx512::BcastNeedsTranspose(n);
     return bcast ? avx512::BcastRows : avx512::DotRows;
   }
-  *needs_transpose = true;
-  if (isa == kIsaAvx2) return avx2::DotRows;
+  if (isa == kIsaAvx2) {
+    const bool bcast = form == kFormBroadcast || (form == kFormAuto && n >= kAvx2BroadcastFromColumns);
+    *needs_transpose = !bcast || avx2::BcastNeedsTranspose(n);
+    return bcast ? avx2::BcastRows : avx2::DotRows;
+  }
 #endif
   *needs_transpose = true;
   return generic::DotRows;
@@ -324,77 +443,6 @@ struct Job {
   }
 };
 
-// Helper threads of our own, one per further core this process may run on. A projection takes ~20-200 us, so
-// a helper must start within microseconds to matter: tasks scheduled on XLA's intra-op pool started 0.1-5 ms
-// late on the (shared) 2-core machine this was written on, and the caller had finished alone. So a
-// helper polls for a while after each job (a decode step runs 121 projections with small XLA ops between
-// them), then sleeps on a condition variable. When the cores are busy with other work, a helper that is
-// descheduled while holding a chunk makes the caller wait for it; `Run` then stops posting for a while.
-class Crew {
- public:
-  static Crew& Get() {
-    static Crew* crew = new Crew();  // never destroyed: detached helpers may still read it at exit
-    return *crew;
-  }
-
-  int64_t size() const { return static_cast<int64_t>(helpers_); }
-
-  void Post(const std::shared_ptr<Job>& job) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      job_ = job;
-      epoch_.fetch_add(1, std::memory_order_release);
-    }
-    if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
-  }
-
- private:
-  // How long an idle helper polls for the next job before it sleeps.
-  static constexpr auto kSpin = std::chrono::microseconds(500);
-
-  Crew() {
-#ifdef __linux__
-    cpu_set_t set;  // the cores this process may run on (taskset, cgroups), not all the machine has
-    const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-#else
-    const int cores = static_cast<int>(std::thread::hardware_concurrency());
-#endif
-    helpers_ = static_cast<size_t>(std::max(0, std::min(cores, 64) - 1));
-    for (size_t i = 0; i < helpers_; ++i) std::thread([this] { Loop(); }).detach();
-  }
-
-  void Loop() {
-    uint64_t seen = epoch_.load(std::memory_order_acquire);
-    for (;;) {
-      auto idle_since = std::chrono::steady_clock::now();
-      while (epoch_.load(std::memory_order_acquire) == seen) {
-        if (std::chrono::steady_clock::now() - idle_since < kSpin) {
-          std::this_thread::yield();  // a poll that leaves the core to any other thread that wants it
-          continue;
-        }
-        std::unique_lock<std::mutex> lock(mutex_);
-        sleeping_.fetch_add(1, std::memory_order_acq_rel);
-        wake_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
-        sleeping_.fetch_sub(1, std::memory_order_acq_rel);
-      }
-      std::shared_ptr<Job> job;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        seen = epoch_.load(std::memory_order_acquire);
-        job = job_;
-      }
-      if (job) job->Work();
-    }
-  }
-
-  size_t helpers_ = 0;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::shared_ptr<Job> job_;
-  std::atomic<uint64_t> epoch_{0};
-  std::atomic<int> sleeping_{0};
-};
-
 // Below this many multiply-adds a product runs on the calling thread alone.
 constexpr int64_t kMinParallelFlops = int64_t{1} << 18;
 
@@ -402,22 +450,17 @@ constexpr int64_t kMinParallelFlops = int64_t{1} << 18;
 // late still takes a share.
 constexpr int64_t kChunkAlign = 24;
 
-// Whether helpers paid off lately. A threaded job did not pay when no helper took a chunk, or when the caller
-// then waited for the helpers' chunks longer than half its own work took. After kMaxMisses such jobs in
-// a row the next kBackoffJobs products run on the caller alone; then helpers are tried again. The counters are
-// shared by concurrent callers without locks: they steer a heuristic, a lost update costs nothing.
-constexpr int kMaxMisses = 4;
-constexpr int kBackoffJobs = 512;
-std::atomic<int> misses{0}, backoff{0};
-
-void Run(const Gemm& g, RowsFn rows, int64_t threads) {
-  Crew* crew = threads == 1 || g.m * g.k * g.n < kMinParallelFlops ? nullptr : &Crew::Get();
-  int64_t helpers = crew == nullptr ? 0 : threads == 0 ? crew->size() : std::min(threads - 1, crew->size());
-  if (helpers > 0 && threads == 0 && backoff.load(std::memory_order_relaxed) > 0) {
-    backoff.fetch_sub(1, std::memory_order_relaxed);
-    helpers = 0;
-  }
-  if (helpers == 0) {
+// Helpers are tasks on XLA's own intra-op thread pool (the FFI `ThreadPool`), whose workers are the threads
+// that run the model's other operations and poll for work between them, so a task starts within microseconds
+// on an idle core. Helper threads of this library's own (one per further core, polling 500 us after each
+// job) were tried first: inside a model forward XLA's workers held the other core, the helper seldom got it,
+// and a forward ran as on one thread (c(16) at batch 1: 1.18x XLA's product with helpers, 1.22x on one thread,
+// 0.78x on XLA's pool; docs/cpu-performance.md). Chunks are small (a quarter of a thread's share), so a
+// task that starts late still takes some.
+void Run(const Gemm& g, RowsFn rows, int64_t threads, ffi::ThreadPool* pool) {
+  int64_t helpers = threads == 1 || g.m * g.k * g.n < kMinParallelFlops ? 0 : pool->num_threads() - 1;
+  if (threads > 1) helpers = std::min(helpers, threads - 1);
+  if (helpers <= 0) {
     rows(g, 0, g.m);
     return;
   }
@@ -427,18 +470,14 @@ void Run(const Gemm& g, RowsFn rows, int64_t threads) {
   const int64_t per_chunk = (g.m + 4 * (helpers + 1) - 1) / (4 * (helpers + 1));
   job->chunk_rows = std::max<int64_t>(kChunkAlign, (per_chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign);
   job->chunks = (g.m + job->chunk_rows - 1) / job->chunk_rows;
-  crew->Post(job);
-  const auto start = std::chrono::steady_clock::now();
-  const int64_t mine = job->Work();
-  const auto worked = std::chrono::steady_clock::now();
+  // A task holds the job, not the buffers: one that starts after the product is done finds no chunk left. Where
+  // XLA has no pool, Schedule runs the task at once on this thread, which then does every chunk itself.
+  for (int64_t h = 0; h < helpers; ++h) pool->Schedule([job] { job->Work(); });
+  job->Work();
+  // Only chunks a task already claimed remain: a task descheduled while holding one delays the product by its
+  // chunk, never more (a back-off to the calling thread alone after such delays made a forward run as on one
+  // thread whenever a task started late: c(2) 1.5 instead of 1.2 at batch 1).
   while (job->done.load(std::memory_order_acquire) < job->chunks) std::this_thread::yield();
-  const bool paid = mine < job->chunks && (std::chrono::steady_clock::now() - worked) * 2 < worked - start;
-  if (paid) {
-    misses.store(0, std::memory_order_relaxed);
-  } else if (misses.fetch_add(1, std::memory_order_relaxed) + 1 >= kMaxMisses) {
-    misses.store(0, std::memory_order_relaxed);
-    backoff.store(kBackoffJobs, std::memory_order_relaxed);
-  }
 }
 
 // xt [n, kp] for the dot forms: a per-thread buffer, 64-byte aligned rows, grown as needed and reused.
@@ -471,7 +510,7 @@ std::string Shape(ffi::Buffer<ffi::F32>::Dimensions dims) {
   return s + "]";
 }
 
-ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
                        ffi::ResultBuffer<ffi::F32> y, int64_t isa, int64_t form, int64_t threads) {
   const auto wd = w.dimensions(), xd = x.dimensions(), yd = y->dimensions();
   if (wd.size() != 2 || xd.size() != 2 || yd.size() != 2 || wd[1] != xd[0] || yd[0] != wd[0] ||
@@ -484,7 +523,7 @@ ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("jaxspec_small_matmul: isa " + std::to_string(isa) +
                                        " is not available on this CPU");
   }
-  if (form < kFormAuto || form > kFormBroadcast || (form == kFormBroadcast && isa != kIsaAvx512)) {
+  if (form < kFormAuto || form > kFormBroadcast || (form == kFormBroadcast && isa == kIsaGeneric)) {
     return ffi::Error::InvalidArgument("jaxspec_small_matmul: form " + std::to_string(form) +
                                        " is not available for isa " + std::to_string(isa));
   }
@@ -500,7 +539,7 @@ ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
   if (needs_transpose && (g.xt = Transposed(g)) == nullptr) {
     return ffi::Error::Internal("jaxspec_small_matmul: out of memory for the transposed activations");
   }
-  Run(g, rows, threads);
+  Run(g, rows, threads, &pool);
   return ffi::Error::Success();
 }
 
@@ -511,6 +550,7 @@ ffi::Error SmallMatmul(ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecSmallMatmul, jaxspec_cpu::SmallMatmul,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
