@@ -83,9 +83,12 @@ def main(argv=None) -> int:
                 rows.append((workload, size, name + (" (default)" if default else ""),
                              f"{statistics.median(rates[name]):.1f}", f"{statistics.median(rates[name]) / plain:.3f}",
                              rounds, tables.fmt(pooled_acceptance_length(s for _, s in runs[0])),
-                             "yes" if same else "NO"))
+                             sum(s.steps for _, s in runs[0]), "yes" if same else "NO"))
     print(tables.markdown(("workload", "batch", "config", "tokens/s", "vs none", "each round", "acceptance",
-                           "same output"), rows))
+                           "loop steps", "same output"), rows))
+    print("\nloop steps: forward passes of the decode loops (summed over the batches). A batch runs until its slowest "
+          "row is done, so none's steps over the narrowest-width rule's (every draft scored) bound what any width "
+          "choice can gain at one plain step per forward.")
     print("\nc(w) measured for the cost-aware runs (plain steps per forward at each verify width):")
     for t in cost.measured():
         print(f"  batch {t['batch']}, cache {t['cache_len']}, {t['cached']} cached: "

@@ -49,9 +49,11 @@ _FORMS = {"auto": 0, "dot": 1, "broadcast": 2}
 # The column counts N for which `auto` takes the kernel, per code path (docs/cpu-performance.md). One column stays
 # on XLA: its matrix-vector path streamed the weights 10-20% faster than the kernel on one core, so the plain
 # decode step is XLA's as before. With AVX-512, thirty [1536, 576] products took 0.6x XLA's time at 2-32
-# columns, 0.84x at 256 and 0.98x at 512: a prefill over hundreds of tokens stays on XLA. The AVX2 path (timed
-# on the same AVX-512 CPU) beat XLA up to 8 columns and lost from 16. The baseline path is a fallback only.
-AUTO_COLUMNS = {"avx512": range(2, 257), "avx2": range(2, 9)}
+# columns, 0.84x at 256 and 0.98x at 512: a prefill over hundreds of tokens stays on XLA. On an AVX2-only CPU the
+# default model's forward ran faster on the kernel than on XLA at batch 1 for every T in 2-33 (c(9) 1.9 against
+# 2.8 one-token steps, c(17) 2.3 against 3.3) and at batch 8 for T = 1-2 (8 and 16 columns); at 24-72 columns
+# the two were within 6%. The baseline path is a fallback only.
+AUTO_COLUMNS = {"avx512": range(2, 257), "avx2": range(2, 34)}
 
 
 def source_hash() -> str:
@@ -125,9 +127,9 @@ def matmul(w: jax.Array, x: jax.Array, *, isa: str = "auto", form: str = "auto",
     """f32[m, n] = w f32[m, k] @ x f32[k, n] by the kernel (CPU only; no differentiation rule: see `project`).
 
     `isa` forces a code path ("avx512", "avx2", "generic"; the call fails at run time when the CPU lacks it),
-    `form` the AVX-512 loop form ("dot" or "broadcast"; auto picks by n), `threads` the threads used (0: the
-    caller and XLA's intra-op pool; 1: the calling thread only). ValueError for bad shapes or dtypes;
-    RuntimeError when the library is unavailable.
+    `form` the loop form of the AVX-512 and AVX2 paths ("dot" or "broadcast"; auto picks by n), `threads` the
+    threads used (0: the caller and XLA's intra-op pool; 1: the calling thread only). ValueError for bad shapes
+    or dtypes; RuntimeError when the library is unavailable.
     """
     _check_operands(w, x)
     if isa not in _ISAS or form not in _FORMS or threads < 0:
