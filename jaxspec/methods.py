@@ -206,20 +206,20 @@ def _defaults(**settings) -> Mapping[str, Any]:
 
 
 # Defaults. The `sam` default is adaptive, tuned for batch 1 on CPU from the measured verify cost c(T)
-# (docs/BENCHMARKS.md): scoring T new tokens costs c(T) plain steps, so a draft pays only when its expected
-# accepted run beats c(T) - 1, and the matched suffix length predicts the run. Nothing is drafted below
-# `min_match` tokens, at most `draft_per_match` x the match length above it, and each step runs the narrowest
-# verify width holding the batch's longest draft (at one row; above one, the width the measured costs favour,
-# `SpecConfig.cost_aware`). Widths 2-8 are left out on purpose: at batch 1 XLA:CPU runs a
-# forward over 2-5 new tokens at 3-4x the cost of one token but over 9 tokens at ~1.3x (measured,
-# docs/BENCHMARKS.md), so K = 8 and 16 are the cheap ones. Trained heads: K counts drafted tokens (eagle, a
-# chain) or tree nodes (medusa, eagle2); 7 and 15 make verify widths 8 and 16, which XLA:CPU runs at 1.5-1.8
-# plain steps at batch 1. They draft over the 4096 most frequent tokens (`draft_vocab`, FR-Spec): over the full
-# 49152-wide LM head an EAGLE drafting pass costs 1.2-1.5 plain steps, over 4096 0.23-0.27 (Medusa 0.25 -> 0.07),
-# while greedy held-out acceptance keeps 98-100% (eagle2 2.53 -> 2.48, eagle 1.92 -> 1.91, medusa 1.90), and
-# tokens/s went from 0.61x to 1.07x of plain decoding's for eagle2 (eagle 0.64x -> 1.00x). 2048 drafts ~0.05
-# of a step cheaper but loses twice the acceptance and covers 85-89% of English and chat text against 93-95%
-# (scripts/bench_draft_vocab.py, docs/BENCHMARKS.md).
+# (docs/BENCHMARKS.md): scoring T new tokens costs c(T) plain steps, so a draft pays only when its expected accepted run
+# beats c(T) - 1, and the matched suffix length predicts the run. Nothing is drafted below `min_match` tokens, at most
+# `draft_per_match` x the match length above it, and each step runs the narrowest verify width holding the batch's
+# longest draft (at one row; above one, the width the measured costs favour, `SpecConfig.cost_aware`). Widths 2-8 were
+# left out because at batch 1 XLA:CPU runs a forward over 2-5 new tokens at 3-4x the cost of one token but over 9 tokens
+# at ~1.3x (measured, docs/BENCHMARKS.md), so K = 8 and 16 were the cheap ones; with the CPU matmul kernel
+# (docs/cpu-performance.md) c(2-5) is 1.0-1.4 and rises with T, and a width of 5 beside 9 and 17 is worth measuring.
+# Trained heads: K counts drafted tokens (eagle, a chain) or tree nodes (medusa, eagle2); 7 and 15 make verify widths 8
+# and 16, which XLA:CPU runs at 1.5-1.8 plain steps at batch 1. They draft over the 4096 most frequent tokens
+# (`draft_vocab`, FR-Spec): over the full 49152-wide LM head an EAGLE drafting pass costs 1.2-1.5 plain steps, over 4096
+# 0.23-0.27 (Medusa 0.25 -> 0.07), while greedy held-out acceptance keeps 98-100% (eagle2 2.53 -> 2.48, eagle 1.92 ->
+# 1.91, medusa 1.90), and tokens/s went from 0.61x to 1.07x of plain decoding's for eagle2 (eagle 0.64x -> 1.00x). 2048
+# drafts ~0.05 of a step cheaper but loses twice the acceptance and covers 85-89% of English and chat text against
+# 93-95% (scripts/bench_draft_vocab.py, docs/BENCHMARKS.md).
 _ALL = (
     Method("none", "plain", "plain decoding: no drafts", _build_none, served=True,
            defaults=_defaults(num_speculative_tokens=0, min_match=1, draft_per_match=math.inf, verify_widths=(1,))),

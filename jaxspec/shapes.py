@@ -46,8 +46,8 @@ LONG_DRAFT_WIDTHS = (9, 17, 33, 65)
 
 # Verify widths offered beside those when forced text is drafted (`generate(constraint=...)`): a forced run (a
 # JSON key with its quotes and colon) is 2-4 tokens, and a forward over 3 or 5 new tokens costs well below one
-# over 9 on XLA:CPU (c(3), c(5), c(9) = 1.7, 2.3, 3.0 plain steps at batch 1 on AVX2; 1.0-1.2 against 1.5 on
-# AVX-512 with the CPU matmul kernel: docs/BENCHMARKS.md).
+# over 9 on the CPU (c(3), c(5), c(9) = 1.2, 1.4, 1.9 plain steps at batch 1 on AVX2, 1.0-1.2 against 1.5 on
+# AVX-512, with the CPU matmul kernel: docs/cpu-performance.md).
 FORCED_TEXT_WIDTHS = (3, 5)
 
 
