@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -454,7 +453,7 @@ constexpr int64_t kChunkAlign = 24;
 // that run the model's other operations and poll for work between them, so a task starts within microseconds
 // on an idle core. Helper threads of this library's own (one per further core, polling 500 us after each
 // job) were tried first: inside a model forward XLA's workers held the other core, the helper seldom got it,
-// and a forward ran as on one thread (c(16) at batch 1: 1.18x XLA's product with helpers, 1.22x on one thread,
+// and a forward ran as on one thread (batch 1, T = 16: 1.18x XLA's forward with helpers, 1.22x on one thread,
 // 0.78x on XLA's pool; docs/cpu-performance.md). Chunks are small (a quarter of a thread's share), so a
 // task that starts late still takes some.
 void Run(const Gemm& g, RowsFn rows, int64_t threads, ffi::ThreadPool* pool) {
