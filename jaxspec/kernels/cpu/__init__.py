@@ -41,7 +41,8 @@ ENV = "JAXSPEC_MATMUL"
 
 _DIR = Path(__file__).parent
 LIBRARY = _DIR / "_small_matmul.so"
-SOURCES = (_DIR / "small_matmul.cc", _DIR / "portable_tiles.inc")  # the first is the translation unit
+# The first is the translation unit; it includes the others.
+SOURCES = (_DIR / "small_matmul.cc", _DIR / "portable_tiles.inc", _DIR / "broadcast_tiles.inc")
 _TARGET = "jaxspec_small_matmul"
 _ISAS = {"auto": 0, "avx512": 1, "avx2": 2, "generic": 3}
 _FORMS = {"auto": 0, "dot": 1, "broadcast": 2}

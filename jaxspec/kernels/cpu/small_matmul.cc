@@ -19,7 +19,8 @@
 //
 // Code paths chosen at run time: AVX-512 (both forms, intrinsics); AVX2+FMA (the portable dot form, and the
 // broadcast form in intrinsics); the baseline ISA (the portable dot form alone). The portable dot form is one
-// source compiled twice (portable_tiles.inc). The FFI attributes `isa` and `form` can force a path.
+// source compiled twice (portable_tiles.inc), and so is the broadcast form (broadcast_tiles.inc, over each ISA's
+// vector operations). The FFI attributes `isa` and `form` can force a path.
 
 #include <algorithm>
 #include <atomic>
@@ -72,116 +73,28 @@ namespace avx2 {
 // this tile reads x once per 6 rows and needs no transpose.
 constexpr int kBcastRows = 6;
 constexpr int kBcastMaxVectors = 2;
-// Columns past the last full vector, up to this many, go through the dot form on the same rows of w (in L1).
+// Columns past the last full vector, up to this many, go through the dot form on the same rows of w (in L1),
+// 3 rows at a time (the portable dot form's tile: more would spill).
 constexpr int kDotRemainder = 4;
+constexpr int kRemainderRows = kDotRows;
 
-// The lanes of a vector that `rest` (1..8) columns fill, as maskload/maskstore want them (sign bit set).
-inline __m256i LaneMask(int rest) {
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), lanes);
-}
+struct Simd {
+  using Vec = __m256;
+  using Mask = __m256i;  // the lanes to load and store, as maskload/maskstore want them (sign bit set)
+  static constexpr int kLanes = 8;
+  static Vec Zero() { return _mm256_setzero_ps(); }
+  static Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec LoadMasked(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
+  static Vec Splat(const float* p) { return _mm256_broadcast_ss(p); }
+  static Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  static void StoreMasked(float* p, Mask m, Vec v) { _mm256_maskstore_ps(p, m, v); }
+  static Mask LastMask(int rest) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+};
 
-// kFull: the last vector is whole (plain loads and stores); else masked by `last`.
-template <int R, int V, bool kFull>
-inline void BcastTile(const Gemm& g, int64_t row, int64_t col, __m256i last, const float* next) {
-  __m256 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  const float* w = g.w + row * g.k;
-  const float* x = g.x + col;
-  for (int64_t i = 0; i < g.k; ++i, x += g.n) {
-    if (next != nullptr && i % 16 == 0) {  // a cache line of each of the next tile's rows per 16 steps
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * g.k + i), _MM_HINT_T0);
-    }
-    __m256 xv[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V - 1; ++v) xv[v] = _mm256_loadu_ps(x + 8 * v);
-    xv[V - 1] = kFull ? _mm256_loadu_ps(x + 8 * (V - 1)) : _mm256_maskload_ps(x + 8 * (V - 1), last);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 wb = _mm256_broadcast_ss(w + r * g.k + i);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(wb, xv[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float* y = g.y + (row + r) * g.n + col;
-#pragma GCC unroll 4
-    for (int v = 0; v < V - 1; ++v) _mm256_storeu_ps(y + 8 * v, acc[r][v]);
-    if (kFull) {
-      _mm256_storeu_ps(y + 8 * (V - 1), acc[r][V - 1]);
-    } else {
-      _mm256_maskstore_ps(y + 8 * (V - 1), last, acc[r][V - 1]);
-    }
-  }
-}
-
-// Whether the broadcast form needs xt (the dot form does its last columns).
-inline bool BcastNeedsTranspose(int64_t n) { return n > 8 && n % 8 != 0 && n % 8 <= kDotRemainder; }
-
-// The last `cols` (1..4) columns from `col` on, for R rows, by dot tiles of at most 3 rows (more would spill).
-template <int R>
-inline void DotRemainder(const Gemm& g, int64_t row, int64_t col, int64_t cols) {
-  if constexpr (R > kDotRows) {
-    DotRemainder<kDotRows>(g, row, col, cols);
-    DotRemainder<R - kDotRows>(g, row + kDotRows, col, cols);
-  } else {
-    switch (cols) {
-      case 1: DotTile<R, 1>(g, row, col, nullptr); break;
-      case 2: DotTile<R, 2>(g, row, col, nullptr); break;
-      case 3: DotTile<R, 3>(g, row, col, nullptr); break;
-      case 4: DotTile<R, 4>(g, row, col, nullptr); break;
-      default: break;
-    }
-  }
-}
-
-template <int R, int V>
-inline void BcastBlock(const Gemm& g, int64_t row, int64_t col, int rest, const float* next) {
-  if (rest == 8) {
-    BcastTile<R, V, true>(g, row, col, _mm256_setzero_si256(), next);
-  } else {
-    BcastTile<R, V, false>(g, row, col, LaneMask(rest), next);
-  }
-}
-
-// One row tile against every column block; the first block prefetches the next tile's rows of w (`next`).
-template <int R>
-inline void BcastRowTile(const Gemm& g, int64_t row, const float* next) {
-  const int64_t rem = g.n % 8;
-  const int64_t vectored = BcastNeedsTranspose(g.n) ? g.n - rem : g.n;  // columns done by broadcasts
-  for (int64_t col = 0; col < vectored; col += 8 * kBcastMaxVectors) {
-    const float* pf = col == 0 ? next : nullptr;
-    const int64_t width = std::min<int64_t>(vectored - col, 8 * kBcastMaxVectors);
-    const int vectors = static_cast<int>((width + 7) / 8);
-    const int rest = static_cast<int>(width - 8 * (vectors - 1));  // 1..8 columns in the last vector
-    if (vectors == 1) {
-      BcastBlock<R, 1>(g, row, col, rest, pf);
-    } else {
-      BcastBlock<R, 2>(g, row, col, rest, pf);
-    }
-  }
-  if (g.n > vectored) DotRemainder<R>(g, row, vectored, g.n - vectored);
-}
-
-void BcastRows(const Gemm& g, int64_t begin, int64_t end) {
-  int64_t row = begin;
-  for (; row + kBcastRows <= end; row += kBcastRows) {
-    BcastRowTile<kBcastRows>(g, row, row + 2 * kBcastRows <= end ? g.w + (row + kBcastRows) * g.k : nullptr);
-  }
-  switch (end - row) {
-    case 5: BcastRowTile<5>(g, row, nullptr); break;
-    case 4: BcastRowTile<4>(g, row, nullptr); break;
-    case 3: BcastRowTile<3>(g, row, nullptr); break;
-    case 2: BcastRowTile<2>(g, row, nullptr); break;
-    case 1: BcastRowTile<1>(g, row, nullptr); break;
-    default: break;
-  }
-}
+#include "broadcast_tiles.inc"
 
 }  // namespace avx2
 #pragma GCC pop_options
@@ -278,91 +191,30 @@ void DotRows(const Gemm& g, int64_t begin, int64_t end) {
 
 // ---- broadcast form: R rows x V vectors of 16 columns, vectors along N ---------------------------------------
 
-template <int R, int V>
-inline void BcastTile(const Gemm& g, int64_t row, int64_t col, __mmask16 last, const float* next) {
-  __m512 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-  const float* w = g.w + row * g.k;
-  const float* x = g.x + col;
-  for (int64_t i = 0; i < g.k; ++i, x += g.n) {
-    if (next != nullptr && i % 16 == 0) {  // a cache line of each of the next tile's rows per 16 steps
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * g.k + i), _MM_HINT_T0);
-    }
-    __m512 xv[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V - 1; ++v) xv[v] = _mm512_loadu_ps(x + 16 * v);
-    xv[V - 1] = _mm512_maskz_loadu_ps(last, x + 16 * (V - 1));  // never reads past the row's columns
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 wb = _mm512_set1_ps(w[r * g.k + i]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(wb, xv[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float* y = g.y + (row + r) * g.n + col;
-#pragma GCC unroll 4
-    for (int v = 0; v < V - 1; ++v) _mm512_storeu_ps(y + 16 * v, acc[r][v]);
-    _mm512_mask_storeu_ps(y + 16 * (V - 1), last, acc[r][V - 1]);
-  }
-}
-
 constexpr int kBcastRows = 6;  // 6 rows x up to 4 vectors: 24 accumulators + 4 x vectors + a broadcast
 constexpr int kBcastMaxVectors = 4;
 // Columns past the last full vector, up to this many, go through the dot form on the same rows of w (still in
 // L1), where a masked vector would cost a whole vector's multiply-adds. With w in cache, 17 columns then cost
-// 1.2x 16 (a masked vector: 1.3x) and 33 cost 1.3x 32 (masked: 1.5x).
+// 1.2x 16 (a masked vector: 1.3x) and 33 cost 1.3x 32 (masked: 1.5x). A dot tile of all 6 rows x 4 columns
+// fits the 32 registers.
 constexpr int kDotRemainder = 4;
+constexpr int kRemainderRows = kBcastRows;
 
-// Whether the broadcast form needs xt (the dot form does its last columns).
-bool BcastNeedsTranspose(int64_t n) { return n > 16 && n % 16 != 0 && n % 16 <= kDotRemainder; }
+struct Simd {
+  using Vec = __m512;
+  using Mask = __mmask16;
+  static constexpr int kLanes = 16;
+  static Vec Zero() { return _mm512_setzero_ps(); }
+  static Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec LoadMasked(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+  static Vec Splat(const float* p) { return _mm512_set1_ps(*p); }
+  static Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static void StoreMasked(float* p, Mask m, Vec v) { _mm512_mask_storeu_ps(p, m, v); }
+  static Mask LastMask(int rest) { return static_cast<Mask>((1u << rest) - 1); }
+};
 
-// One row tile against every column block; the first block prefetches the next tile's rows of w (`next`).
-template <int R>
-inline void BcastRowTile(const Gemm& g, int64_t row, const float* next) {
-  const int64_t rem = g.n % 16;
-  const int64_t vectored = BcastNeedsTranspose(g.n) ? g.n - rem : g.n;  // columns done by broadcasts
-  for (int64_t col = 0; col < vectored; col += 16 * kBcastMaxVectors) {
-    const float* pf = col == 0 ? next : nullptr;
-    const int64_t width = std::min<int64_t>(vectored - col, 16 * kBcastMaxVectors);
-    const int vectors = static_cast<int>((width + 15) / 16);
-    const int rest = static_cast<int>(width - 16 * (vectors - 1));  // 1..16 columns in the last vector
-    const __mmask16 last = static_cast<__mmask16>((1u << rest) - 1);
-    switch (vectors) {
-      case 1: BcastTile<R, 1>(g, row, col, last, pf); break;
-      case 2: BcastTile<R, 2>(g, row, col, last, pf); break;
-      case 3: BcastTile<R, 3>(g, row, col, last, pf); break;
-      default: BcastTile<R, 4>(g, row, col, last, pf); break;
-    }
-  }
-  switch (g.n - vectored) {
-    case 1: DotTile<R, 1>(g, row, vectored, nullptr); break;
-    case 2: DotTile<R, 2>(g, row, vectored, nullptr); break;
-    case 3: DotTile<R, 3>(g, row, vectored, nullptr); break;
-    case 4: DotTile<R, 4>(g, row, vectored, nullptr); break;
-    default: break;
-  }
-}
-
-void BcastRows(const Gemm& g, int64_t begin, int64_t end) {
-  int64_t row = begin;
-  for (; row + kBcastRows <= end; row += kBcastRows) {
-    BcastRowTile<kBcastRows>(g, row, row + 2 * kBcastRows <= end ? g.w + (row + kBcastRows) * g.k : nullptr);
-  }
-  switch (end - row) {
-    case 5: BcastRowTile<5>(g, row, nullptr); break;
-    case 4: BcastRowTile<4>(g, row, nullptr); break;
-    case 3: BcastRowTile<3>(g, row, nullptr); break;
-    case 2: BcastRowTile<2>(g, row, nullptr); break;
-    case 1: BcastRowTile<1>(g, row, nullptr); break;
-    default: break;
-  }
-}
+#include "broadcast_tiles.inc"
 
 }  // namespace avx512
 #pragma GCC pop_options
