@@ -32,8 +32,9 @@ def compiled_programs() -> int:
 class Runner:
     """Runs configurations on prompt batches, compiling each (configuration, shapes) once before timing."""
 
-    def __init__(self, lm, new_tokens: int, ignore_eos: bool, seed: int, repeats: int):
+    def __init__(self, lm, new_tokens: int, ignore_eos: bool, seed: int, repeats: int, attention_impl: str):
         self.lm, self.new_tokens, self.ignore_eos, self.seed, self.repeats = lm, new_tokens, ignore_eos, seed, repeats
+        self.attention_impl = attention_impl  # "xla" or "pallas", for every generation it runs
         self.warm: set = set()
         self.first_tokens: dict[tuple, int] = {}  # prompt ids -> greedy first token
         self.stop_width = 1 if ignore_eos else max(1, len(lm.tokenizer.eos_token_ids))
@@ -49,18 +50,20 @@ class Runner:
     def warm_up(self, config: Config, rows: list[list[int]]) -> None:
         """Compile for these shapes: same batch, buckets and stop-table width; each row stops at its first token.
 
-        A row whose greedy first token differs in this batch (a near tie) stops at the length limit instead,
-        which is kept within the same output bucket.
+        A row whose greedy first token differs in this batch (a near tie) stops at the length limit instead: the
+        smallest from half the output buffer up that keeps every shape (buffer and cache) of the timed run.
         """
-        key = (config.spec, shape_key(rows, self.new_tokens, config.max_k))
+        shapes = shape_key(rows, self.new_tokens, config.max_k)
+        key = (config.spec, shapes)
         if key in self.warm:
             return
         self.learn_first_tokens(rows)
         stops = [[self.first_tokens[tuple(p)]] * self.stop_width for p in rows]
         bucket = bucket_shapes([1], self.new_tokens, 0)[1]
-        limit = min(self.new_tokens, bucket // 2 + 1)
+        limit = next(n for n in range(min(self.new_tokens, bucket // 2 + 1), self.new_tokens + 1)
+                     if shape_key(rows, n, config.max_k) == shapes)
         jaxspec.generate(self.lm, rows, max_new_tokens=limit, ignore_eos=True, stop_token_ids=stops,
-                         spec=config.spec)
+                         spec=config.spec, attention_impl=self.attention_impl)
         self.warm.add(key)
 
     def sampling(self, temperature: float, indices: list[int]) -> list[SamplingParams]:
@@ -81,7 +84,7 @@ class Runner:
         def all_calls():
             return [jaxspec.generate(self.lm, [prompts[i] for i in idx], max_new_tokens=self.new_tokens,
                                      sampling=self.sampling(temperature, idx), ignore_eos=self.ignore_eos,
-                                     spec=config.spec) for idx in calls]
+                                     spec=config.spec, attention_impl=self.attention_impl) for idx in calls]
 
         warmup_s, _ = clocked(warm_up_all)
         before = compiled_programs()
