@@ -84,15 +84,35 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
-def argmax(logits: jax.Array) -> jax.Array:
-    """i32[...] index of the largest logit (the first on ties), as two plain reductions.
+# `argmax` searches the vocabulary in blocks of the largest of these sizes that divides it.
+ARGMAX_BLOCKS = (512, 256, 128)
 
-    XLA:CPU lowers `jnp.argmax` to a variadic (value, index) reduction that does not vectorise; a max
-    followed by a min over matching indices is several times faster over a 49k vocabulary.
-    """
+
+def _argmax_flat(logits: jax.Array) -> jax.Array:
+    """i32[...] the first index of the largest logit, as two plain reductions: XLA:CPU lowers `jnp.argmax` to a
+    variadic (value, index) reduction that does not vectorise."""
     best = jnp.max(logits, axis=-1, keepdims=True)
     index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     return jnp.min(jnp.where(logits == best, index, logits.shape[-1]), axis=-1)
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """i32[...] index of the largest logit (the first on ties).
+
+    In two levels: the maximum of each block of logits (`ARGMAX_BLOCKS`; one pass over the vocabulary, a plain
+    reduction that vectorises), the first block holding the overall maximum, then the first index of it within
+    that block. A vocabulary that no block size divides, or a small one, is searched whole. Over [8, 9, 49152] logits (a verify step at 8 rows) this took 1.5 ms on a 2-core AVX2 CPU,
+    against 4.6 ms for a max then a min over matching indices across the whole vocabulary and 4.3 ms for
+    `jnp.argmax`; over [8, 17, 49152], 3.0 ms against 36 and 12.
+    """
+    vocab = logits.shape[-1]
+    block = next((b for b in ARGMAX_BLOCKS if vocab % b == 0 and vocab >= 4 * b), None)
+    if block is None:
+        return _argmax_flat(logits)
+    blocks = logits.reshape(logits.shape[:-1] + (vocab // block, block))
+    first = _argmax_flat(jnp.max(blocks, axis=-1))  # i32[...] the first block holding the maximum
+    within = jnp.take_along_axis(blocks, first[..., None, None], axis=-2)[..., 0, :]  # [..., block]
+    return first * block + _argmax_flat(within)
 
 
 def sample(keys: jax.Array, logits: jax.Array, sampling: SamplingParams) -> jax.Array:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec import SamplingParams, process_logits, processed_probs, sample
-from jaxspec.sampling import row_keys
+from jaxspec.sampling import ARGMAX_BLOCKS, argmax, row_keys
 
 
 def reference_probs(logits: np.ndarray, temperature, top_k, top_p, min_p) -> np.ndarray:
@@ -113,3 +113,22 @@ def test_row_keys_depend_only_on_seed_and_position():
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 151936, 1000, 300])
+def test_argmax_is_the_first_largest_logit(vocab):
+    """The blocked search (vocabularies a block size divides: 512, 256, 128 here) and the whole-vocabulary one
+    (1000, 300) both return numpy's argmax: the first index on ties, within a block, across blocks, and in
+    rows of -inf logits."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((4, 3, vocab)).astype(np.float32)
+    top = float(logits.max()) + 1.0
+    logits[0, 0, [vocab - 1, 5, vocab // 2]] = top  # ties in different blocks: the first wins
+    logits[0, 1, [7, 6]] = top  # ties in one block
+    logits[1, 0, :] = -np.inf  # nothing to choose: index 0, as numpy
+    logits[1, 1, vocab - 1] = top  # the very last logit
+    logits[2, 2, :] = 0.0  # all equal
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    blocked = any(vocab % b == 0 and vocab >= 4 * b for b in ARGMAX_BLOCKS)
+    assert blocked == (vocab >= 32000)
