@@ -13,6 +13,7 @@ shared and noisy), mean acceptance length and the c(w) tables measured.
 
     python scripts/bench_cost_aware.py                       # batch 1 and 8, 8 prompts per workload
     python scripts/bench_cost_aware.py --batches 1 --limit 4 --new-tokens 64 --repeats 2
+    python scripts/bench_cost_aware.py --batches 1 --configs "sam narrowest width" --sam-widths "1,5,9,17"
 """
 
 from __future__ import annotations
@@ -57,7 +58,15 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=8, help="prompts per workload (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of the configurations to run; none "
+                        "always runs (default: %(default)s)")
+    parser.add_argument("--sam-widths", default="", help="more sam configurations at other verify widths, each "
+                        "run by the narrowest-width rule: width sets separated by ';', e.g. '1,5,9,17;1,9'")
     args = parser.parse_args(argv)
+    configs = {name: spec for name, spec in CONFIGS.items() if name == "none" or name in args.configs.split(",")}
+    for text in filter(None, args.sam_widths.split(";")):
+        widths = tuple(int(w) for w in text.split(","))
+        configs[f"sam widths {widths}"] = SpecConfig(method="sam", cost_aware=False, verify_widths=widths)
 
     lm = jaxspec.load_model()
     print(machine.line(machine.info()))
@@ -69,7 +78,7 @@ def main(argv=None) -> int:
         for size in (int(b) for b in args.batches.split(",")):
             groups = batches_of(prompts, size)
             calls = {name: (lambda spec=spec, groups=groups: [run(lm, g, spec, args.new_tokens) for g in groups])
-                     for name, spec in CONFIGS.items()}
+                     for name, spec in configs.items()}
             samples = interleave(calls, args.repeats, alternate=True)
             rates = {name: [sum(sum(len(t) for t in ids) - len(ids) for ids, _ in r) /
                             sum(s.decode_s for _, s in r) for r in runs] for name, runs in samples.items()}
@@ -77,8 +86,9 @@ def main(argv=None) -> int:
             reference = [ids for ids, _ in samples["none"][0]]
             for name, runs in samples.items():
                 same = all([ids for ids, _ in r] == reference for r in runs)
-                spec = CONFIGS[name]
-                default = spec.method == "sam" and spec.cost_aware_at(size) == DEFAULT.cost_aware_at(size)
+                spec = configs[name]
+                default = spec.method == "sam" and spec.cost_aware_at(size) == DEFAULT.cost_aware_at(size) \
+                    and spec.verify_widths == DEFAULT.verify_widths
                 rounds = " ".join(f"{r / n:.2f}" for r, n in zip(rates[name], rates["none"]))
                 rows.append((workload, size, name + (" (default)" if default else ""),
                              f"{statistics.median(rates[name]):.1f}", f"{statistics.median(rates[name]) / plain:.3f}",

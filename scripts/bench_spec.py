@@ -68,6 +68,7 @@ from benchkit.spec.peers import compare_with_peers
 from benchkit.spec.report import acceptance_curves, markdown, plot_acceptance
 from benchkit.spec.runner import Runner, run_workload
 from jaxspec import SpecConfig
+from jaxspec.generation import default_attention_impl
 
 DEFAULT_COST_TS = "1,2,3,4,5,6,8,9,16,17,32"
 
@@ -105,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cost-forwards", type=int, default=4, help="forwards per timed call, in one jitted loop "
                         "(default: %(default)s)")
     parser.add_argument("--overhead-repeats", type=int, default=20, help="(default: %(default)s)")
+    parser.add_argument("--attention", choices=["xla", "pallas"], default=None,
+                        help="attention of c(T) and every run (default: the platform's, Pallas on a GPU); "
+                        "`--workloads '' --attention xla` beside the default run separates the kernel's share")
     parser.add_argument("--peers", action="store_true", help="also run transformers (the [peers] extra)")
     parser.add_argument("--peer-limit", type=int, default=None, help="prompts for the peers (default: the batch-1 "
                         "prompts)")
@@ -168,6 +172,7 @@ def main(argv=None) -> int:
     out_json.parent.mkdir(parents=True, exist_ok=True)
 
     lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
+    attention = args.attention or default_attention_impl()
     prompts = {w: workloads.load_workload(w, lm.tokenizer, args.limit) for w in args.workloads.split(",") if w}
     report = machine.info() | {
         "model": lm.name, "new_tokens": args.new_tokens, "ignore_eos": args.ignore_eos, "repeats": args.repeats,
@@ -175,18 +180,18 @@ def main(argv=None) -> int:
         "configs": {c.label: config_settings(c.spec) for c in configs}
         | {a: f"the same settings as {b} (not run twice)" for a, b in aliases.items()},
         "prompt_tokens": {w: [len(p) for p in ps] for w, ps in prompts.items()},
-        "cost_context": args.cost_context, "cost_cache_len": args.cost_cache_len}
+        "cost_context": args.cost_context, "cost_cache_len": args.cost_cache_len, "attention_impl": attention}
     print(f"# {lm.name}: workloads {list(prompts)}, {len(configs)} configs {[c.label for c in configs]}, "
-          f"batches {list(plan.batches)}, temperatures {list(plan.temperatures)}", flush=True)
+          f"batches {list(plan.batches)}, temperatures {list(plan.temperatures)}, attention {attention}", flush=True)
 
     # 1. c(T)
     cost_ts = [int(t) for t in args.cost_ts.split(",") if t]
     costs = report["cost_curve"] = cost_curves(lm, list(plan.batches), cost_ts, args.cost_context,
                                                args.cost_cache_len, args.cost_repeats,
-                                               args.cost_forwards) if cost_ts else {}
+                                               args.cost_forwards, attention) if cost_ts else {}
 
     # 2. the runs, and what the greedy none outputs look like
-    runner = Runner(lm, args.new_tokens, args.ignore_eos, args.seed, args.repeats)
+    runner = Runner(lm, args.new_tokens, args.ignore_eos, args.seed, args.repeats, attention)
     report["runs"] = {}
     for workload, ps in prompts.items():
         runs = report["runs"][workload] = run_workload(runner, workload, ps, configs, plan, costs)

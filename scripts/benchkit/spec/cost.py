@@ -39,14 +39,13 @@ def _forwards(graphdef, params, tokens, positions, cache, *, num_forwards: int, 
 
 
 def measure_cost_curve(lm, batch: int, ts: list[int], context: int, cache_len: int, repeats: int,
-                       num_forwards: int) -> list[dict]:
+                       num_forwards: int, attention_impl: str) -> list[dict]:
     """ms per target forward over T new tokens per row with `context` tokens already cached, and c(T).
 
     Each timed call runs `num_forwards` forwards in one jitted loop. The calls go round-robin over the Ts
     (`repeats` rounds), so a burst of load on this shared machine hits every T alike; the median per T over the
     rounds, divided by `num_forwards`, is reported.
     """
-    impl = default_attention_impl()
     cache = lm.module.new_cache(batch, cache_len)
     # One cache threads through every call: each call donates it and gets the updated one back.
     carry = {"cache": cache.replace(lengths=jnp.full((batch,), context, jnp.int32))}
@@ -57,7 +56,7 @@ def measure_cost_curve(lm, batch: int, ts: list[int], context: int, cache_len: i
 
         def call():
             carry["cache"], acc = _forwards(lm.graphdef, lm.params, tokens, positions, carry["cache"],
-                                            num_forwards=num_forwards, attention_impl=impl)
+                                            num_forwards=num_forwards, attention_impl=attention_impl)
             acc.block_until_ready()
 
         return call
@@ -81,13 +80,19 @@ def cost_of(curve: list[dict] | None, t: int) -> float:
 
 
 def cost_curves(lm, batches: list[int], ts: list[int], context: int, cache_len: int, repeats: int,
-                num_forwards: int) -> dict[int, list[dict]]:
-    """c(T) at each batch size (T = 1 always included, as the reference), with progress on stdout."""
+                num_forwards: int, attention_impl: str | None = None) -> dict[int, list[dict]]:
+    """c(T) at each batch size (T = 1 always included, as the reference), with progress on stdout.
+
+    `attention_impl` ("xla" or "pallas") is the attention of every forward; None: the platform's default
+    (`jaxspec.generation.default_attention_impl`, Pallas on a GPU).
+    """
+    attention_impl = attention_impl or default_attention_impl()
     ts = sorted(set(ts) | {1})
     curves = {}
     for batch in batches:
         t0 = time.perf_counter()
-        curves[batch] = measure_cost_curve(lm, batch, ts, context, cache_len, repeats, num_forwards)
+        curves[batch] = measure_cost_curve(lm, batch, ts, context, cache_len, repeats, num_forwards,
+                                            attention_impl)
         print(f"c(T), batch {batch} ({time.perf_counter() - t0:.0f} s): "
               + ", ".join(f"c({r['T']})={r['c']:.2f}" for r in curves[batch]), flush=True)
     return curves

@@ -27,7 +27,8 @@ def markdown(report: dict) -> str:
     costs = report["cost_curve"]
     if costs:
         lines += [f"## c(T): target forward over T new tokens per row / the T = 1 forward, timed inside a jitted loop "
-                  f"({report['cost_context']} tokens cached, cache of {report['cost_cache_len']} slots)", ""]
+                  f"({report['cost_context']} tokens cached, cache of {report['cost_cache_len']} slots, "
+                  f"{report.get('attention_impl', 'xla')} attention)", ""]
         batches = list(costs)
         lines.append(head(["T"] + [col for b in batches for col in (f"batch {b} ms", "c")]))
         for i, first in enumerate(costs[batches[0]]):
