@@ -212,8 +212,8 @@ def _defaults(**settings) -> Mapping[str, Any]:
 # longest draft (at one row; above one, the width the measured costs favour, `SpecConfig.cost_aware`). Widths 2-8 were
 # left out because at batch 1 XLA:CPU runs a forward over 2-5 new tokens at 3-4x the cost of one token but over 9 tokens
 # at ~1.3x (measured, docs/BENCHMARKS.md), so K = 8 and 16 were the cheap ones; with the CPU matmul kernel
-# (docs/cpu-performance.md) c(2-5) is 1.0-1.4 and rises with T: widths 3 and 5 beside 9 and 17 beat these at one row in
-# four of four comparisons (by 2-14%, within the rounds' spread; docs/BENCHMARKS.md), not yet adopted.
+# (docs/cpu-performance.md) c(2-5) is 1.0-1.4 and rises with T. Widths 3 and 5 beside 9 and 17 beat these at one row in
+# two runs and lost in a third (within the rounds' spread; docs/BENCHMARKS.md), so they were not adopted.
 # Trained heads: K counts drafted tokens (eagle, a chain) or tree nodes (medusa, eagle2); 7 and 15 make verify widths 8
 # and 16, which XLA:CPU runs at 1.5-1.8 plain steps at batch 1. They draft over the 4096 most frequent tokens
 # (`draft_vocab`, FR-Spec): over the full 49152-wide LM head an EAGLE drafting pass costs 1.2-1.5 plain steps, over 4096
