@@ -14,8 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.generation import default_attention_impl
-
 from ..timing import interleave, timer
 
 
@@ -80,13 +78,9 @@ def cost_of(curve: list[dict] | None, t: int) -> float:
 
 
 def cost_curves(lm, batches: list[int], ts: list[int], context: int, cache_len: int, repeats: int,
-                num_forwards: int, attention_impl: str | None = None) -> dict[int, list[dict]]:
-    """c(T) at each batch size (T = 1 always included, as the reference), with progress on stdout.
-
-    `attention_impl` ("xla" or "pallas") is the attention of every forward; None: the platform's default
-    (`jaxspec.generation.default_attention_impl`, Pallas on a GPU).
-    """
-    attention_impl = attention_impl or default_attention_impl()
+                num_forwards: int, attention_impl: str) -> dict[int, list[dict]]:
+    """c(T) at each batch size (T = 1 always included, as the reference), with progress on stdout;
+    `attention_impl` ("xla" or "pallas") is the attention of every forward."""
     ts = sorted(set(ts) | {1})
     curves = {}
     for batch in batches:
