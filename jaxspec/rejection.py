@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import SamplingParams
-from .sampling import argmax, is_greedy, process_logits
+from .sampling import argmax, categorical, draw, is_greedy, process_logits
 
 _ACCEPT_STREAM = 0x5EC0DE  # far above any draft index, so no draft-model key coincides with it
 
@@ -140,13 +140,14 @@ def rejection_sample(keys: jax.Array, target_logits: jax.Array, draft_tokens: ja
         return _emit(draft_tokens, n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0])
 
     def sampled():
-        z = process_logits(target_logits, sampling)  # f32[B, K+1, V], -inf outside the kept tokens
         pos = positions[:, None] + jnp.arange(width, dtype=jnp.int32)  # i32[B, K+1]
         pos_keys = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))(keys, pos)  # key[B, K+1]
         if draft_probs is None:
-            t = jax.vmap(jax.vmap(jax.random.categorical))(pos_keys, z).astype(jnp.int32)  # i32[B, K+1]
+            t = draw(pos_keys, target_logits, sampling)  # i32[B, K+1]
             n = _num_leading(in_draft & (draft_tokens == t[:, :k]))
             return _emit(draft_tokens, n, jnp.take_along_axis(t, n[:, None], axis=1)[:, 0])
+
+        z = process_logits(target_logits, sampling)  # f32[B, K+1, V], -inf outside the kept tokens
 
         # Probabilities only where needed: p_j(x_j) for the test, the full p_n at the one position n.
         lse = jax.nn.logsumexp(z, axis=-1)  # f32[B, K+1]
@@ -171,7 +172,7 @@ def rejection_sample(keys: jax.Array, target_logits: jax.Array, draft_tokens: ja
         from_p = ~rejected | (jnp.sum(residual, axis=-1) <= 0)
         logits_n = jnp.where(from_p[:, None], z_n, jnp.log(residual))
         key_n = jax.vmap(jax.random.fold_in)(keys, positions + n)
-        last = jax.vmap(jax.random.categorical)(key_n, logits_n).astype(jnp.int32)
+        last = categorical(key_n, logits_n)
         return _emit(draft_tokens, n, last)
 
     # An all-greedy batch needs neither the processed distribution nor random numbers, as in `sample`.

@@ -84,8 +84,14 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
-# `argmax` searches the vocabulary in blocks of the largest of these sizes that divides it.
-ARGMAX_BLOCKS = (512, 256, 128)
+# `argmax` and `categorical` work over the vocabulary in blocks of the largest of these sizes that divides it.
+VOCAB_BLOCKS = (512, 256, 128)
+
+
+def _vocab_block(vocab: int) -> int | None:
+    """The block size for a vocabulary of `vocab` tokens, or None to work over it whole (no size divides it, or
+    it is small: fewer than four blocks save nothing)."""
+    return next((b for b in VOCAB_BLOCKS if vocab % b == 0 and vocab >= 4 * b), None)
 
 
 def _argmax_flat(logits: jax.Array) -> jax.Array:
@@ -99,15 +105,18 @@ def _argmax_flat(logits: jax.Array) -> jax.Array:
 def argmax(logits: jax.Array) -> jax.Array:
     """i32[...] index of the largest logit (the first on ties).
 
-    In two levels: the maximum of each block of logits (`ARGMAX_BLOCKS`; one pass over the vocabulary, a plain
+    In two levels: the maximum of each block of logits (`VOCAB_BLOCKS`; one pass over the vocabulary, a plain
     reduction that vectorises), the first block holding the overall maximum, then the first index of it within
     that block. A vocabulary that no block size divides, or a small one, is searched whole. Over [8, 9, 49152]
     logits (a verify step at 8 rows) this took 1.5 ms on a 2-core AVX2 CPU, against 4.6 ms for a max then a min
     over matching indices across the whole vocabulary and 4.3 ms for `jnp.argmax`; over [8, 17, 49152], 3.0 ms
-    against 36 and 12.
+    against 36 and 12. On a GPU `jnp.argmax` is as fast or faster (an H100: equal up to [8, 17, 49152], 0.14
+    against 0.19 ms at [32, 17, 49152]), so there it is used; both give the same index.
     """
+    if jax.default_backend() != "cpu":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
-    block = next((b for b in ARGMAX_BLOCKS if vocab % b == 0 and vocab >= 4 * b), None)
+    block = _vocab_block(vocab)
     if block is None:
         return _argmax_flat(logits)
     blocks = logits.reshape(logits.shape[:-1] + (vocab // block, block))
@@ -116,11 +125,73 @@ def argmax(logits: jax.Array) -> jax.Array:
     return first * block + _argmax_flat(within)
 
 
+def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """i32[...] the index whose interval of the running sum of weights f32[..., n] (>= 0) holds u * total, u
+    f32[...] in [0, 1).
+
+    The first index whose running sum exceeds u * total always has a positive weight (a zero weight does not
+    raise the sum), so a token of probability zero is never drawn. When rounding puts u * total at the total
+    itself, no running sum exceeds it: then the last index with a positive weight.
+    """
+    running = jnp.cumsum(weights, axis=-1)  # f32[..., n], non-decreasing in float32 too
+    index = jnp.sum(running <= (u * running[..., -1])[..., None], axis=-1, dtype=jnp.int32)
+    last_positive = jnp.max(jnp.where(weights > 0, jnp.arange(weights.shape[-1], dtype=jnp.int32), 0), axis=-1)
+    return jnp.minimum(index, last_positive)
+
+
+def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """i32[...] one token per row drawn from softmax(logits f32[..., V]), with key[...] (or raw uint32[..., 2])
+    one key per row. Every sampled token in jaxspec is drawn here: plain decoding, verification, drafting.
+
+    By inverse transform in two levels, with two uniforms per row: the block of the vocabulary (`VOCAB_BLOCKS`)
+    with probability its share of the mass, then the token within the block with probability its share of the
+    block's. Both levels together draw token i with probability exp(z_i) / sum exp(z), exactly as
+    `jax.random.categorical`, up to float32 rounding of the running sums (intervals move by about 1e-7 of the
+    mass; Gumbel-max in float32 likewise never draws a token more than about 20 nats below the best). The reason
+    is cost: `jax.random.categorical` draws Gumbel noise, a threefry draw and two logarithms for every token of
+    the vocabulary. On a 2-core AVX2 CPU, inside a jitted loop as the decode loop runs it, that took 10.6 ms
+    over [8, 49152] logits (a sampled decode step at 8 rows: a sixth of the step) and 82 ms over [8, 9, 49152]
+    (verifying 8 drafts: more than a plain step); this takes 0.8 and 4.6 ms (`scripts/bench_sampling.py`): one
+    exponential per token, block sums and two short running sums.
+    """
+    if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        keys = jax.random.wrap_key_data(keys)  # raw uint32[..., 2] keys (jax.random.PRNGKey)
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    z = logits.astype(jnp.float32)
+    best = jnp.max(z, axis=-1, keepdims=True)
+    weights = jnp.exp(z - jnp.where(jnp.isfinite(best), best, 0.0))  # f32[..., V], 0 at excluded tokens
+    u = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys.reshape(-1)).reshape(lead + (2,))
+    block = _vocab_block(vocab)
+    if block is None:
+        return _inverse_cdf(weights, u[..., 0])
+    blocks = weights.reshape(lead + (vocab // block, block))  # f32[..., V / block, block]
+    chosen = _inverse_cdf(jnp.sum(blocks, axis=-1), u[..., 0])  # i32[...]
+    within = jnp.take_along_axis(blocks, chosen[..., None, None], axis=-2)[..., 0, :]  # f32[..., block]
+    return chosen * block + _inverse_cdf(within, u[..., 1])
+
+
+def draw(keys: jax.Array, logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """i32[B, ...] one token per row and position from the processed distribution of logits f32[B, ..., V], with
+    key[B, ...]: `categorical(keys, process_logits(logits, sampling))`, token for token.
+
+    A batch whose rows all sample at a temperature alone (no greedy row, no top-k, top-p or min-p) draws from
+    logits / temperature directly, which is what processing computes for such rows. The reason is cost: the
+    processing's passes over the vocabulary, behind conditionals that XLA:CPU does not fuse across, made
+    rejection sampling at [8, 9, 49152] take 29.7 ms a call at T = 0.8; with this shortcut it took 12.8 ms
+    (timed call by call; inside a loop 4.5 ms, against 3.9 ms greedy).
+    """
+    temperature = _per_row(sampling.temperature, logits)
+    plain = ~is_greedy(temperature) & (_per_row(sampling.top_k, logits) <= 0) \
+        & (_per_row(sampling.top_p, logits) >= 1) & (_per_row(sampling.min_p, logits) <= 0)
+
+    def at_temperature():
+        return categorical(keys, logits.astype(jnp.float32) / jnp.where(plain, temperature, 1.0))
+
+    return jax.lax.cond(jnp.all(plain), at_temperature, lambda: categorical(keys, process_logits(logits, sampling)))
+
+
 def sample(keys: jax.Array, logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     """i32[B] tokens drawn from the processed distribution of logits [B, V], key [B] per row."""
-    def draw():
-        z = process_logits(logits, sampling)
-        return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
-
     # An all-greedy batch needs neither the processed distribution nor random numbers over the vocabulary.
-    return jax.lax.cond(jnp.all(is_greedy(sampling.temperature)), lambda: argmax(logits), draw)
+    return jax.lax.cond(jnp.all(is_greedy(sampling.temperature)), lambda: argmax(logits),
+                        lambda: draw(keys, logits, sampling))

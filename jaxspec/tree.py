@@ -24,7 +24,7 @@ import numpy as np
 
 from .config import SamplingParams, is_integer
 from .rejection import _ACCEPT_STREAM
-from .sampling import argmax, is_greedy, process_logits
+from .sampling import argmax, categorical, draw, is_greedy, process_logits
 
 __all__ = [
     "TreeTopology",
@@ -423,25 +423,18 @@ def _recursive_rejection(keys, positions, z, tokens, parents, eligible, depth, d
     # A bonus token (nothing rejected at the final node) is drawn from z itself: bit for bit plain decoding.
     logits = jnp.where(end.from_p[:, None], _at(z, end.cur), jnp.log(end.residual))
     last_keys = jax.vmap(jax.random.fold_in)(keys, positions + _at(depth, end.cur))
-    return end.path, jax.vmap(jax.random.categorical)(last_keys, logits).astype(jnp.int32)
+    return end.path, categorical(last_keys, logits)
 
 
-def _target_samples(keys, positions, z, depth, max_depth: int) -> jax.Array:
-    """i32[B, K+1]: the token plain sampling draws after each node, `categorical(key at its position, z)`.
+def _target_samples(keys, positions, target_logits, sampling, depth, max_depth: int) -> jax.Array:
+    """i32[B, K+1]: the token plain sampling draws after each node (`draw` with the key of its position).
 
-    jax.random.categorical is argmax(z + gumbel(key)), and every node at one depth uses the same key (plain
-    decoding's key for that position), hence the same Gumbel noise. Drawing the noise once per depth, D + 1
-    rows of V instead of K + 1, gives the same tokens bit for bit; on CPU the draws (threefry over the whole
-    vocabulary) dominate a sampled tree's verification.
-    """
-    batch, _, vocab = z.shape
-    levels = positions[:, None] + jnp.arange(max_depth + 1)  # i32[B, D+1]
-    level_keys = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))(keys, levels)  # [B, D+1]
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), z.dtype))(level_keys.reshape(-1))
-    noise = noise.reshape(batch, max_depth + 1, vocab)  # f32[B, D+1, V]
-    # Nodes deeper than D are never accepted: any noise row serves them.
-    per_node = jnp.take_along_axis(noise, jnp.minimum(depth, max_depth)[..., None], axis=1)  # f32[B, K+1, V]
-    return argmax(per_node + z).astype(jnp.int32)
+    Every node at one depth uses plain decoding's key for that position, so nodes whose distributions are
+    equal draw the same token."""
+    # Nodes deeper than D are never accepted: any key serves them.
+    node_positions = positions[:, None] + jnp.minimum(depth, max_depth)  # i32[B, K+1]
+    node_keys = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))(keys, node_positions)  # key[B, K+1]
+    return draw(node_keys, target_logits, sampling)
 
 
 def _emit(tokens: jax.Array, path: jax.Array, last: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -520,11 +513,11 @@ def verify_tree(keys: jax.Array, target_logits: jax.Array, tokens: jax.Array, pa
         return path, _at(best, jnp.max(path, axis=1))  # the final node has the path's largest index
 
     def sampled():
-        z = process_logits(target_logits, sampling)  # f32[B, K+1, V], -inf outside the kept tokens
         if draft_probs is not None:
+            z = process_logits(target_logits, sampling)  # f32[B, K+1, V], -inf outside the kept tokens
             return _recursive_rejection(keys, positions, z, tokens, parents, eligible, depth, draft_probs,
                                         max_depth)
-        t = _target_samples(keys, positions, z, depth, max_depth)  # i32[B, K+1]
+        t = _target_samples(keys, positions, target_logits, sampling, depth, max_depth)  # i32[B, K+1]
         path = _follow(t, tokens, parents, eligible, depth, max_depth)
         return path, _at(t, jnp.max(path, axis=1))
 

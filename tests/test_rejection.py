@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import SamplingParams, process_logits, processed_probs, sample
+from jaxspec import SamplingParams, process_logits, processed_probs, sample, sampling
 from jaxspec.rejection import _ACCEPT_STREAM, rejection_sample
 from jaxspec.sampling import row_keys
 
@@ -33,7 +33,7 @@ verify = jax.jit(rejection_sample)
 plain_sample = jax.jit(sample)
 # Eager process_logits retraces its lax.cond on every call; jitted, the reference loop stays fast.
 process_one = jax.jit(process_logits)
-categorical = jax.jit(jax.random.categorical)
+categorical = jax.jit(sampling.categorical)
 
 
 def _params(rows) -> SamplingParams:

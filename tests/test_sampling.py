@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec import SamplingParams, process_logits, processed_probs, sample
-from jaxspec.sampling import ARGMAX_BLOCKS, argmax, row_keys
+from jaxspec.sampling import VOCAB_BLOCKS, argmax, categorical, draw, row_keys
 
 
 def reference_probs(logits: np.ndarray, temperature, top_k, top_p, min_p) -> np.ndarray:
@@ -130,5 +130,82 @@ def test_argmax_is_the_first_largest_logit(vocab):
     logits[2, 2, :] = 0.0  # all equal
     got = np.asarray(jax.jit(argmax)(jnp.asarray(logits)))
     np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
-    blocked = any(vocab % b == 0 and vocab >= 4 * b for b in ARGMAX_BLOCKS)
+    blocked = any(vocab % b == 0 and vocab >= 4 * b for b in VOCAB_BLOCKS)
     assert blocked == (vocab >= 32000)
+
+
+def _support_logits(vocab: int, support: np.ndarray, seed: int) -> np.ndarray:
+    """f32[V]: random finite logits on `support`, -inf elsewhere."""
+    logits = np.full(vocab, -np.inf, np.float32)
+    logits[support] = np.random.default_rng(seed).normal(size=len(support)) * 1.5
+    return logits
+
+
+def _draw_counts(logits: np.ndarray, num: int = 50000) -> np.ndarray:
+    keys = jax.random.split(jax.random.key(11), num)
+    draw = jax.jit(lambda k: categorical(k, jnp.broadcast_to(jnp.asarray(logits), (num, logits.shape[-1]))))
+    return np.bincount(np.asarray(draw(keys)), minlength=logits.shape[-1])
+
+
+# A support across blocks of 512: both edges of blocks, the first and last token, an empty block (1024-1535).
+SUPPORT = np.array([0, 3, 200, 510, 511, 512, 513, 700, 1000, 1023, 1536, 1600, 1800, 2000, 2046, 2047])
+
+
+@pytest.mark.parametrize("vocab", [2048, 1000])
+def test_categorical_follows_softmax(vocab):
+    """Blocked (2048: four blocks of 512) and whole (1000) inverse transforms: 50k draws are within sampling
+    noise of softmax(logits), and tokens of probability zero are never drawn."""
+    support = SUPPORT[SUPPORT < vocab]
+    logits = _support_logits(vocab, support, seed=vocab)
+    counts = _draw_counts(logits)
+    assert counts.sum() == counts[support].sum()  # nothing outside the support
+    target = np.exp(logits[support] - logits[support].max())
+    target /= target.sum()
+    tv = 0.5 * np.abs(counts[support] / counts.sum() - target).sum()
+    assert tv < 0.02, tv  # noise for 50k draws over 16 outcomes is about 0.007
+
+
+def test_negative_control_categorical_check_detects_a_shifted_block():
+    """The same check fails against a distribution whose third block holds 1.5 times its mass: it can fail."""
+    logits = _support_logits(2048, SUPPORT, seed=2048)
+    counts = _draw_counts(logits)
+    wrong = logits.copy()
+    wrong[1536:] += np.log(1.5)
+    target = np.exp(wrong[SUPPORT] - wrong[SUPPORT].max())
+    target /= target.sum()
+    tv = 0.5 * np.abs(counts[SUPPORT] / counts.sum() - target).sum()
+    assert tv > 0.04, tv
+
+
+def test_categorical_edge_rows_and_key_forms():
+    """A single allowed token (the last of the vocabulary, or the first) is always drawn; rows [B, K, V] take
+    keys [B, K]; raw uint32 keys draw what the typed keys they hold draw."""
+    logits = np.full((3, 2, 2048), -np.inf, np.float32)
+    logits[0, 0, 2047] = 5.0
+    logits[0, 1, 0] = -80.0  # far below any other row's scale: only the relative values matter
+    logits[1:] = np.random.default_rng(5).normal(size=(2, 2, 2048)).astype(np.float32)
+    keys = jax.random.split(jax.random.key(4), (3, 2))
+    got = np.asarray(jax.jit(categorical)(keys, jnp.asarray(logits)))
+    assert got.shape == (3, 2) and got[0, 0] == 2047 and got[0, 1] == 0
+    raw = np.asarray(jax.jit(categorical)(jax.random.key_data(keys), jnp.asarray(logits)))
+    np.testing.assert_array_equal(raw, got)
+    # Rows with the same key and the same logits draw the same token, whatever else is in the batch.
+    alone = np.asarray(jax.jit(categorical)(keys[1:2], jnp.asarray(logits[1:2])))
+    np.testing.assert_array_equal(alone, got[1:2])
+
+
+def test_draw_is_categorical_of_the_processed_distribution():
+    """`draw` takes a shortcut for batches that only divide by a temperature; its tokens are still those of
+    categorical(process_logits), in such a batch and when one row's top-p sends the batch the long way, where
+    every other row draws what it drew before."""
+    logits = jnp.asarray(np.random.default_rng(6).normal(size=(4, 3, 2048)).astype(np.float32) * 3)
+    keys = jax.random.split(jax.random.key(8), (4, 3))
+    plain = SamplingParams.stack([SamplingParams(temperature=t) for t in (0.5, 0.8, 1.0, 1.3)])
+    reference = jax.jit(lambda k, z, s: categorical(k, process_logits(z, s)))
+    shortcut = np.asarray(jax.jit(draw)(keys, logits, plain))
+    np.testing.assert_array_equal(shortcut, np.asarray(reference(keys, logits, plain)))
+    mixed = SamplingParams.stack([SamplingParams(temperature=t, top_p=p) for t, p in
+                                  ((0.5, 1.0), (0.8, 1.0), (1.0, 0.5), (1.3, 1.0))])
+    long_way = np.asarray(jax.jit(draw)(keys, logits, mixed))
+    np.testing.assert_array_equal(long_way, np.asarray(reference(keys, logits, mixed)))
+    np.testing.assert_array_equal(long_way[[0, 1, 3]], shortcut[[0, 1, 3]])

@@ -19,6 +19,7 @@ import pytest
 
 from jaxspec import SamplingParams, process_logits, processed_probs, rejection_sample, sample
 from jaxspec.rejection import _ACCEPT_STREAM
+from jaxspec.sampling import categorical as categorical_draw
 from jaxspec.sampling import row_keys
 from jaxspec.tree import (
     TreeTopology,
@@ -45,7 +46,7 @@ verify = jax.jit(verify_tree, static_argnames="max_depth")
 chain_verify = jax.jit(rejection_sample)
 plain_sample = jax.jit(sample)
 process_one = jax.jit(process_logits)
-categorical = jax.jit(jax.random.categorical)
+categorical = jax.jit(categorical_draw)
 uniform = jax.jit(lambda key, position, stream: jax.random.uniform(
     jax.random.fold_in(jax.random.fold_in(key, position), stream)))
 
