@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchkit import machine, tables
+from benchkit import machine, output, tables
 from benchkit.timing import interleave, timer
 from jaxspec.kernels.verify_attention import BlockSizes, ancestor_mask, verify_attention, verify_attention_reference
 
@@ -139,10 +138,7 @@ def main(argv=None) -> int:
                     print(tables.row([r["batch"], r["num_new"], r["num_slots"], r["fill"]]
                                      + [tables.fmt(us, ".1f") for us in r["us"].values()]
                                      + [tables.fmt(r["speedup"]), tables.fmt(r["max_abs_error"], ".1e")]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-                                    "results": results}, indent=1))
-    print(f"wrote {args.out}")
+    output.save_json(args.out, info, args, results)
     return 0
 
 

@@ -23,7 +23,6 @@ argmax forms agree.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
-from benchkit import machine, tables
+from benchkit import machine, output, tables
 from benchkit.timing import interleave, timer
 from jaxspec import SamplingParams
 from jaxspec.sampling import argmax, categorical
@@ -140,10 +139,7 @@ def main(argv=None) -> int:
             ms = {name: 1000 * statistics.median(s) / args.calls for name, s in samples.items()}
             results.append({"batch": batch, "width": width, "ms": ms})
             print(tables.row([batch, width] + [tables.fmt(ms[n]) for n in names]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-                                    "results": results}, indent=1))
-    print(f"wrote {args.out}")
+    output.save_json(args.out, info, args, results)
     return 0
 
 

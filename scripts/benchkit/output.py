@@ -16,6 +16,15 @@ def write(out_dir: str | Path, stem: str, report: dict, text: str) -> None:
     print(text)
 
 
+def save_json(path: Path, machine_info: dict, args, results: list) -> None:
+    """`{"machine", "args", "results"}` as JSON at `path` (its folder created; args as strings), then a line
+    saying where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine_info, "args": {k: str(v) for k, v in vars(args).items()},
+                                "results": results}, indent=1))
+    print(f"wrote {path}")
+
+
 def exit_status(differing: list[str]) -> int:
     """1, after saying which, when some run's greedy output differed from plain decoding's; else 0."""
     if differing:
