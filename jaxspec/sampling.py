@@ -33,18 +33,48 @@ def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
     return jnp.reshape(x, x.shape + (1,) * (like.ndim - x.ndim))
 
 
-def _top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Smallest logit kept by top-k then top-p: f32[B, ..., 1]."""
-    vocab = z.shape[-1]
-    ranked = -jnp.sort(-z, axis=-1)  # descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    in_top_k = jnp.arange(vocab) < k
-    probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
+# Top-k and top-p rank only the largest logits: `lax.top_k` of this many, not a sort of the vocabulary.
+TOP_CANDIDATES = 256
+
+
+def _kept_in_prefix(ranked: jax.Array, k: jax.Array, top_p: jax.Array, lse: jax.Array) -> jax.Array:
+    """i32[B, ..., 1] how many of the largest logits top-k then top-p keep, counted within `ranked` f32[B, ..., n]
+    (the n largest logits, descending), given lse f32[B, ..., 1] = log-sum-exp of the k largest."""
+    in_top_k = jnp.arange(ranked.shape[-1]) < k
+    probs = jnp.where(in_top_k, jnp.exp(ranked - lse), 0.0)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # The smallest prefix whose mass reaches top_p: a token is kept when the mass ranked above it is short.
     # top_p = 1 keeps every token outright: float32 running sums can reach 1 before the tail.
-    num_kept = jnp.sum(in_top_k & ((mass_before < top_p) | (top_p >= 1)), axis=-1, keepdims=True)
-    return jnp.take_along_axis(ranked, jnp.maximum(num_kept - 1, 0), axis=-1)
+    return jnp.sum(in_top_k & ((mass_before < top_p) | (top_p >= 1)), axis=-1, keepdims=True)
+
+
+def _top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Smallest logit kept by top-k then top-p: f32[B, ..., 1].
+
+    Ranked from the `TOP_CANDIDATES` largest logits (`lax.top_k`), which decide it whenever top-k is at most
+    that many, or there is no top-k and the top-p set ends within them; the mass of the whole vocabulary comes
+    from one pass. Otherwise (any row) the batch sorts the whole vocabulary. Why: a sort of 49152 logits took
+    15 ms a row and position on a 2-core AVX2 CPU, top-k of 256 about 0.3 ms.
+    """
+    vocab = z.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)  # i32[B, ..., 1]
+    n = min(vocab, TOP_CANDIDATES)
+    top = jax.lax.top_k(z, n)[0]  # f32[B, ..., n] descending
+    # log-sum-exp of the k largest: within the candidates when k <= n; the whole vocabulary when k = V.
+    lse_top = jax.nn.logsumexp(jnp.where(jnp.arange(n) < k, top, -jnp.inf), axis=-1, keepdims=True)
+    lse = jnp.where(k <= n, lse_top, jax.nn.logsumexp(z, axis=-1, keepdims=True))
+    kept = _kept_in_prefix(top, k, top_p, lse)
+    decided = (k <= n) | ((k == vocab) & (kept < n))
+
+    def from_candidates():
+        return jnp.take_along_axis(top, jnp.maximum(kept - 1, 0), axis=-1)
+
+    def from_sort():
+        ranked = -jnp.sort(-z, axis=-1)  # descending
+        lse_k = jax.nn.logsumexp(jnp.where(jnp.arange(vocab) < k, ranked, -jnp.inf), axis=-1, keepdims=True)
+        return jnp.take_along_axis(ranked, jnp.maximum(_kept_in_prefix(ranked, k, top_p, lse_k) - 1, 0), axis=-1)
+
+    return jax.lax.cond(jnp.all(decided), from_candidates, from_sort)
 
 
 def process_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:

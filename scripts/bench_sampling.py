@@ -68,10 +68,13 @@ def check(vocab: int) -> None:
     logits[support] = np.arange(6, dtype=np.float32) * 0.4
     target = np.exp(logits[support] - logits[support].max())
     target /= target.sum()
-    rows = jnp.broadcast_to(jnp.asarray(logits), (20000, vocab))
+    row = jnp.asarray(logits)[None]  # f32[1, V]
     keys = jax.random.split(jax.random.key(1), 20000)
     for draw in (categorical, gumbel_categorical):
-        counts = np.bincount(np.asarray(jax.jit(draw)(keys, rows)), minlength=vocab)
+        # 1000 rows of the vocabulary at a time: 20k at once would need several 4 GB temporaries.
+        tokens = jax.jit(lambda keys, draw=draw: jax.lax.map(lambda key: draw(key[None], row)[0], keys,
+                                                             batch_size=1000))(keys)
+        counts = np.bincount(np.asarray(tokens), minlength=vocab)
         tv = 0.5 * np.abs(counts[support] / counts.sum() - target).sum()
         assert counts[support].sum() == counts.sum() and tv < 0.02, (draw.__name__, tv)
     z = jax.random.normal(jax.random.key(2), (4, 3, vocab))

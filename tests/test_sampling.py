@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec import SamplingParams, process_logits, processed_probs, sample
-from jaxspec.sampling import VOCAB_BLOCKS, argmax, categorical, draw, row_keys
+from jaxspec.sampling import TOP_CANDIDATES, VOCAB_BLOCKS, argmax, categorical, draw, row_keys
 
 
 def reference_probs(logits: np.ndarray, temperature, top_k, top_p, min_p) -> np.ndarray:
@@ -209,3 +209,33 @@ def test_draw_is_categorical_of_the_processed_distribution():
     long_way = np.asarray(jax.jit(draw)(keys, logits, mixed))
     np.testing.assert_array_equal(long_way, np.asarray(reference(keys, logits, mixed)))
     np.testing.assert_array_equal(long_way[[0, 1, 3]], shortcut[[0, 1, 3]])
+
+
+LARGE_VOCAB_ROWS = [  # temperature, top_k, top_p, min_p; over 2048 logits, 256 of them candidates
+    (1.0, 0, 0.9, 0.0),  # peaked logits: the top-p set ends among the candidates
+    (0.7, 50, 0.8, 0.0),  # top-k within the candidates
+    (1.0, 0, 0.99, 0.0),  # flat logits: the top-p set runs past the candidates, so the vocabulary is sorted
+    (0.8, 300, 1.0, 0.0),  # top-k larger than the candidates
+    (1.0, 1000, 0.95, 0.05),
+]
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_top_k_top_p_over_a_large_vocabulary(together):
+    """Top-k and top-p decided from the largest logits (`TOP_CANDIDATES`) or, where those do not decide it, from
+    a sort of the whole vocabulary, match the scalar reference: each row alone (the candidates decide the first
+    two; the sort the others) and all rows in one batch (one row needing the sort sorts the batch)."""
+    assert TOP_CANDIDATES == 256
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=(len(LARGE_VOCAB_ROWS), 2048)).astype(np.float32)
+    logits[0] *= 3.0  # peaked
+    logits[2] *= 0.1  # nearly flat
+    batches = [list(range(len(LARGE_VOCAB_ROWS)))] if together else [[i] for i in range(len(LARGE_VOCAB_ROWS))]
+    for rows in batches:
+        params = _params([LARGE_VOCAB_ROWS[i] for i in rows])
+        got = np.asarray(jax.jit(processed_probs)(jnp.asarray(logits[rows]), params))
+        for j, i in enumerate(rows):
+            np.testing.assert_allclose(got[j], reference_probs(logits[i], *LARGE_VOCAB_ROWS[i]), atol=1e-5,
+                                       err_msg=str(LARGE_VOCAB_ROWS[i]))
+    kept = [int((reference_probs(logits[i], *row) > 0).sum()) for i, row in enumerate(LARGE_VOCAB_ROWS)]
+    assert 1 < kept[0] < 256 and 1 < kept[1] <= 50 and kept[2] > 256 and kept[3] == 300, kept
