@@ -21,8 +21,10 @@ def test_two_processes_gather_the_single_process_output():
     group_sam rollout gathers the samples and log-probabilities of one single-process rollout."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
+    # Temperature 0.5: at 0.8, process 1's two sampled rows had 4 drafts and none kept in 24 tokens (seed 7); at 0.5
+    # they have 27 and 15, so the check below tests acceptance rather than the luck of one seed.
     cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--num-processes", "2", "--", sys.executable,
-           str(ROOT / "examples" / "data_parallel_generate.py"), "--check", "--method", "sam", "--temperature", "0.8",
+           str(ROOT / "examples" / "data_parallel_generate.py"), "--check", "--method", "sam", "--temperature", "0.5",
            "--seed", "7", "--max-new-tokens", "24", "--rollout"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     out = result.stdout

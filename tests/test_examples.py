@@ -224,8 +224,8 @@ def test_grpo_reward_truncates_and_runs_the_tests():
 
 def test_grpo_trains_the_tiny_model_towards_the_rewarded_token(grpo_lm):
     ex = _example("grpo")
-    params, history = ex.train(grpo_lm, GRPO_PROMPTS, _toy_reward, _grpo_config(ex, steps=5))
-    assert [row["step"] for row in history] == list(range(5))
+    params, history = ex.train(grpo_lm, GRPO_PROMPTS, _toy_reward, _grpo_config(ex, steps=7))
+    assert [row["step"] for row in history] == list(range(7))
     for row in history:
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
         assert row["logprob_mismatch"] < 1e-3  # the training forward scores the rollout's tokens as it did
@@ -233,7 +233,9 @@ def test_grpo_trains_the_tiny_model_towards_the_rewarded_token(grpo_lm):
     assert [x.shape for x in jax.tree.leaves(params)] == [x.shape for x in jax.tree.leaves(grpo_lm.params)]
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(grpo_lm.params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(grpo_lm.params)))
-    # The rewarded token starts rare (~3% of the tokens) and the policy learns to emit it.
+    # The rewarded token starts rare (~3% of the tokens) and the policy learns to emit it. The mean reward rises
+    # slowly and then fast (0.017, 0.010, 0.042, 0.087, 0.153, 0.288, 0.833 with this seed): 7 steps leave a
+    # margin that 5 did not, where a different sampler's draws ended at 0.15.
     first, last = history[0]["mean_reward"], max(row["mean_reward"] for row in history[-2:])
     assert last > first + 0.2, [row["mean_reward"] for row in history]
 
