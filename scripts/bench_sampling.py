@@ -117,6 +117,8 @@ def forms(batch: int, width: int, vocab: int, temperature: float, calls: int) ->
         "rejection greedy": rejection(SamplingParams(temperature=0.0)),
         "rejection sampled": rejection(SamplingParams(temperature=temperature)),
         "rejection top-p 0.9": rejection(SamplingParams(temperature=temperature, top_p=0.9)),
+        # Logits of unit spread: the top-p set holds tens of thousands of tokens, past the 256 candidates.
+        "rejection top-p 0.95 flat": lambda z, i: rejection(SamplingParams(temperature=1.0, top_p=0.95))(z / 4, i),
     }
     timed = {}
     for name, fn in fns.items():

@@ -214,7 +214,7 @@ def test_draw_is_categorical_of_the_processed_distribution():
 LARGE_VOCAB_ROWS = [  # temperature, top_k, top_p, min_p; over 2048 logits, 256 of them candidates
     (1.0, 0, 0.9, 0.0),  # peaked logits: the top-p set ends among the candidates
     (0.7, 50, 0.8, 0.0),  # top-k within the candidates
-    (1.0, 0, 0.99, 0.0),  # flat logits: the top-p set runs past the candidates, so the vocabulary is sorted
+    (1.0, 0, 0.99, 0.0),  # flat logits: the top-p set runs past the candidates, so it is bisected for
     (0.8, 300, 1.0, 0.0),  # top-k larger than the candidates
     (1.0, 1000, 0.95, 0.05),
 ]
@@ -222,9 +222,9 @@ LARGE_VOCAB_ROWS = [  # temperature, top_k, top_p, min_p; over 2048 logits, 256 
 
 @pytest.mark.parametrize("together", [True, False])
 def test_top_k_top_p_over_a_large_vocabulary(together):
-    """Top-k and top-p decided from the largest logits (`TOP_CANDIDATES`) or, where those do not decide it, from
-    a sort of the whole vocabulary, match the scalar reference: each row alone (the candidates decide the first
-    two; the sort the others) and all rows in one batch (one row needing the sort sorts the batch)."""
+    """Top-k and top-p decided from the largest logits (`TOP_CANDIDATES`) or, where those do not decide it, by
+    bisection over the whole vocabulary, match the scalar reference: each row alone (the candidates decide the
+    first two; the bisection the others) and all rows in one batch (one row needing it bisects the batch)."""
     assert TOP_CANDIDATES == 256
     rng = np.random.default_rng(9)
     logits = rng.normal(size=(len(LARGE_VOCAB_ROWS), 2048)).astype(np.float32)
@@ -239,3 +239,35 @@ def test_top_k_top_p_over_a_large_vocabulary(together):
                                        err_msg=str(LARGE_VOCAB_ROWS[i]))
     kept = [int((reference_probs(logits[i], *row) > 0).sum()) for i, row in enumerate(LARGE_VOCAB_ROWS)]
     assert 1 < kept[0] < 256 and 1 < kept[1] <= 50 and kept[2] > 256 and kept[3] == 300, kept
+
+
+def _sorted_threshold(z: np.ndarray, top_k: int, top_p: float) -> float:
+    """The smallest logit top-k then top-p keep, by ranking one row (float64 masses)."""
+    ranked = np.sort(z)[::-1][: top_k if top_k > 0 else len(z)]
+    probs = np.exp(ranked.astype(np.float64) - ranked[0])
+    probs /= probs.sum()
+    if top_p >= 1:
+        return float(ranked[-1])
+    mass_before = np.cumsum(probs) - probs
+    return float(ranked[np.sum(mass_before < top_p) - 1])
+
+
+def test_bisected_threshold_equals_the_ranked_one():
+    """The fallback for rows the candidates do not decide: with ties (logits on a 0.05 grid), masked tokens
+    (-inf), negative and positive logits, top-k above and below the candidates, and top-p from tiny to 1, the
+    bisection finds exactly the logit a ranking of the row finds."""
+    from jaxspec.sampling import _bisected_threshold
+
+    rng = np.random.default_rng(12)
+    rows = [(0, 0.95), (0, 0.5), (0, 1.0), (300, 0.9), (300, 1.0), (1000, 0.99), (7, 0.6), (0, 1e-4), (1, 0.9),
+            (2048, 0.97)]
+    z = np.round(rng.normal(size=(len(rows), 2048)) * rng.uniform(0.3, 3, size=(len(rows), 1)) / 0.05) * 0.05
+    z = z.astype(np.float32)
+    z[:, rng.choice(2048, 100, replace=False)] = -np.inf
+    z[3] -= 40.0  # all negative
+    k = jnp.asarray([[r[0] if r[0] > 0 else 2048] for r in rows], jnp.int32)
+    p = jnp.asarray([[r[1]] for r in rows], jnp.float32)
+    got = np.asarray(jax.jit(_bisected_threshold)(jnp.asarray(z), k, p))[:, 0]
+    want = [_sorted_threshold(z[i], *rows[i]) for i in range(len(rows))]
+    np.testing.assert_array_equal(got, np.asarray(want, np.float32))
+    assert len(set(got.tolist())) == len(rows)  # the rows' thresholds differ: nothing passes by a constant
