@@ -163,7 +163,8 @@ def helps():
     procs = {name: subprocess.Popen([sys.executable, f"scripts/{script}", *args, "--help"], cwd=REPO,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, (script, *args) in HELP_COMMANDS.items()}
-    return {name: (p.communicate(timeout=120)[0], p.returncode) for name, p in procs.items()}
+    # 300 s: all of them start at once on 2 cores, and beside a loaded machine's other work 120 s ran out.
+    return {name: (p.communicate(timeout=300)[0], p.returncode) for name, p in procs.items()}
 
 
 @pytest.mark.parametrize("name", HELP_COMMANDS)
