@@ -478,7 +478,7 @@ def _width_choice(widths: tuple[int, ...], num_draft: jax.Array, state: DecodeSt
     (chains only) the width maximising expected committed tokens per unit of cost (`jaxspec.cost`)."""
     if verify_cost is None or is_tree or len(widths) == 1:
         return cost.narrowest_holding(widths, num_draft)
-    rate = cost.acceptance_rate(state.counters.accepted, state.counters.drafted)  # f32[B]
+    rate = cost.optimistic_rate(state.counters.accepted, state.counters.drafted)  # f32[B]
     return cost.choose_width(widths, verify_cost, num_draft, rate, ~state.done)
 
 

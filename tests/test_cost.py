@@ -47,6 +47,19 @@ def test_the_running_rate_starts_at_the_prior_and_follows_the_counts():
     assert np.allclose(rate, [cost.PRIOR_RATE, (90 + 2) / 104, 2 / 104])
 
 
+def test_an_untried_row_explores_and_a_failing_one_stops():
+    """The prior alone (E(4) = 1.94 at rate 0.5) never repays a width-5 forward costing 2.2, so a row would never
+    draft and its rate never move; the exploration bonus makes it try, and 100 scored drafts at 0.3 stop it."""
+    costs = (1.0, 2.2, 3.0)
+    assert _choose(costs, [8, 8], cost.PRIOR_RATE) == 0
+    untried, failing, landing = np.asarray(cost.optimistic_rate(jnp.asarray([0, 30, 90]), jnp.asarray([0, 100, 100])))
+    assert untried == cost.PRIOR_RATE + cost.EXPLORATION / np.sqrt(cost.PRIOR_WEIGHT)
+    assert _choose(costs, [8, 8], untried) == 1
+    assert _choose(costs, [8, 8], failing) == 0
+    assert _choose(costs, [8, 8], landing) == 2  # 92 / 104 + 0.05: E(8) = 6.9 repays c(9) = 3
+    assert float(cost.optimistic_rate(jnp.asarray(1000), jnp.asarray(1000))) == 1.0  # capped
+
+
 def test_cost_aware_must_be_a_bool_or_none():
     with pytest.raises(ValueError, match="cost_aware='yes' must be True, False or None"):
         SpecConfig(method="sam", cost_aware="yes")
