@@ -8,13 +8,14 @@ whose drafts are accepted with probability a each and that has m of them scored 
     E(m) = 1 + a + a^2 + ... + a^m          (the target always adds one token of its own)
 
 Each step runs the compiled width w maximising  sum over active rows of E(min(n_row, w - 1)) / c(w);  drafts
-past it are not scored this step. A shorter draft is still a draft, so the choice never changes what is
-committed, only how fast. The rate a is the row's running acceptance (accepted / drafted so far), pulled
-towards a prior while the row has drafted little: a row whose drafts keep failing stops paying for wide
-forwards, one whose drafts keep landing keeps them. The choice uses the rate plus an exploration bonus that
-shrinks as 1 / sqrt(drafts scored) (an upper confidence bound): the estimate only moves when drafts are scored,
-so a row whose prior rate never repays a wider forward would otherwise never draft and never learn that its
-drafts land.
+past it are not scored this step. A draft tree whose nodes come best first scores its best w - 1 nodes, each
+expected to be accepted with its path's draft probability (`choose_tree_width`). A shorter draft is still a
+draft, so the choice never changes what is committed, only how fast. The rate a is the row's running
+acceptance (accepted / drafted so far), pulled towards a prior while the row has drafted little: a row whose
+drafts keep failing stops paying for wide forwards, one whose drafts keep landing keeps them. The choice uses
+the rate plus an exploration bonus that shrinks as 1 / sqrt(drafts scored) (an upper confidence bound): the
+estimate only moves when drafts are scored, so a row whose prior rate never repays a wider forward would
+otherwise never draft and never learn that its drafts land.
 """
 
 from __future__ import annotations
@@ -87,6 +88,27 @@ def choose_width(widths: tuple[int, ...], verify_cost: jax.Array, num_draft: jax
     """
     scored = jnp.minimum(num_draft[:, None], jnp.asarray(widths, jnp.int32)[None, :] - 1)  # i32[B, W]
     committed = jnp.sum(jnp.where(active[:, None], expected_committed(rate[:, None], scored), 0.0), axis=0)  # [W]
+    return jnp.argmax(committed / verify_cost).astype(jnp.int32)
+
+
+def choose_tree_width(widths: tuple[int, ...], verify_cost: jax.Array, num_draft: jax.Array,
+                      confidence: jax.Array, active: jax.Array) -> jax.Array:
+    """i32[] index into `widths` maximising expected committed tokens per unit of forward cost, for draft trees
+    whose nodes come best first (`jaxspec.tree.select_nodes`), so a width w scores the best tree of w - 1 nodes.
+
+    A node is accepted exactly when its whole path is, so a tree commits in expectation 1 + the sum over its
+    nodes of the chance each path is accepted. The draft's own path probability (confidence f32[B, K]) is
+    that chance if the head's distribution were the target's: the estimate EAGLE-2 grows its trees by.
+    verify_cost f32[W] is c(w); num_draft i32[B] each row's valid nodes; active bool[B] the rows still
+    generating. Ties go to the narrower width.
+    """
+    k = confidence.shape[1]
+    scored = jnp.arange(k)[None, :] < num_draft[:, None]  # bool[B, K]
+    gained = jnp.cumsum(jnp.where(scored & active[:, None], confidence, 0.0), axis=1)  # f32[B, K]
+    # Committed over the batch with the first w - 1 nodes of each row: its active rows plus their nodes' chances.
+    nodes = jnp.asarray(widths, jnp.int32) - 1  # i32[W]
+    prefix = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.sum(gained, axis=0)])  # f32[K+1]
+    committed = jnp.sum(active) + prefix[jnp.minimum(nodes, k)]  # f32[W]
     return jnp.argmax(committed / verify_cost).astype(jnp.int32)
 
 

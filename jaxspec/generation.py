@@ -24,7 +24,7 @@ from .logprobs import TokenLogprob, to_host
 from .methods import build_proposer
 from .models.loading import LanguageModel
 from .penalties import any_penalty
-from .proposers.base import Draft, Proposer, drafts_chains
+from .proposers.base import Draft, Proposer, drafts_chains, ranks_tree_nodes
 from .shapes import CACHE_ALIGN, bucket_shapes, widths_for_cost_choice, widths_for_forced_text, widths_for_long_drafts
 from .text import TextStream
 
@@ -410,7 +410,7 @@ def _check_draft_field(proposer, name: str, got, want: tuple[int, ...] | None, k
 def check_draft_shapes(lm: LanguageModel, prepared: "Prepared") -> None:
     """Trace the proposer's `init` and `propose` on the real inputs (`jax.eval_shape`: nothing runs) and raise
     a ValueError naming the Draft field whose shape or dtype is wrong: tokens [B, K] int, num_draft [B] int,
-    probs None or [B, K, V] float, parents None or [B, K] int."""
+    probs None or [B, K, V] float, parents None or [B, K] int, confidence None or [B, K] float."""
     p = prepared
     proposer = p.proposer
     out = _first_draft.eval_shape(lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
@@ -423,7 +423,8 @@ def check_draft_shapes(lm: LanguageModel, prepared: "Prepared") -> None:
     for name, want, kind, optional in (("tokens", (b, k), jnp.integer, False),
                                        ("num_draft", (b,), jnp.integer, False),
                                        ("probs", (b, k, v), jnp.floating, True),
-                                       ("parents", (b, k), jnp.integer, True)):
+                                       ("parents", (b, k), jnp.integer, True),
+                                       ("confidence", (b, k), jnp.floating, True)):
         _check_draft_field(proposer, name, getattr(draft, name), want, kind, optional)
 
 
@@ -454,9 +455,11 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     if isinstance(proposer, constrained.ForcedTokenProposer):
         widths = widths_for_forced_text(widths, proposer.num_speculative_tokens)
     verify_cost = None
-    # Chains only: the loop ignores a tree's table.
-    if drafts_chains(proposer) and req.spec.cost_aware_at(batch) and len(widths) > 1 and cost.enabled():
-        widths = widths_for_cost_choice(widths, proposer.num_speculative_tokens)
+    # Chains, and trees drafted best node first; the loop would ignore another tree's table.
+    ranked = ranks_tree_nodes(proposer)
+    if ((drafts_chains(proposer) or ranked) and req.spec.cost_aware_at(batch) and len(widths) > 1
+            and cost.enabled()):
+        widths = widths_for_cost_choice(widths, proposer.num_speculative_tokens, tree=ranked)
         # Costs at a cache about half filled with output, the middle of the run, rounded down to the cache's
         # alignment: the table is keyed by it, and calls whose prompts differ by a few tokens share one.
         middle = max(prompt_lens) + req.max_new_tokens // 2

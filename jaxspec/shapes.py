@@ -61,6 +61,9 @@ FORCED_TEXT_WIDTHS = (3, 5)
 # 2-core CPU, over 3 and 5 1.3-1.9, against 2.5-2.8 over 9 (docs/BENCHMARKS.md), so a step where a few rows draft
 # can still score their first drafts cheaply. The table decides which of them a step runs.
 COST_CHOICE_WIDTHS = (2, 3, 5)
+# ... and beside a tree method's (whose nodes come best first, so a narrower width scores the best smaller tree):
+# at one row c(3), c(5), c(9) are about 1.2, 1.4 and 1.6 plain steps against 2.2-2.7 for a 16-node tree.
+TREE_COST_CHOICE_WIDTHS = (3, 5, 9)
 
 
 def _with_widths(widths: Sequence[int], extra: Sequence[int], k: int) -> tuple[int, ...]:
@@ -78,6 +81,6 @@ def widths_for_long_drafts(widths: Sequence[int], k: int) -> tuple[int, ...]:
     return _with_widths(widths, (*LONG_DRAFT_WIDTHS, k + 1), k)
 
 
-def widths_for_cost_choice(widths: Sequence[int], k: int) -> tuple[int, ...]:
-    """`widths` plus COST_CHOICE_WIDTHS up to K + 1."""
-    return _with_widths(widths, COST_CHOICE_WIDTHS, k)
+def widths_for_cost_choice(widths: Sequence[int], k: int, tree: bool = False) -> tuple[int, ...]:
+    """`widths` plus COST_CHOICE_WIDTHS (TREE_COST_CHOICE_WIDTHS for a tree) up to K + 1."""
+    return _with_widths(widths, TREE_COST_CHOICE_WIDTHS if tree else COST_CHOICE_WIDTHS, k)

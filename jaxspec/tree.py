@@ -286,15 +286,17 @@ def select_nodes(scores: jax.Array, parents: jax.Array, tokens: jax.Array,
     tokens: i32[B, M].
     budget: static int in [0, M].
     Returns (tokens i32[B, budget], parents i32[B, budget] remapped to the kept nodes, kept_index i32[B,
-    budget] the original index of each kept node, valid bool[B, budget]).
+    budget] the original index of each kept node, valid bool[B, budget]), the kept nodes in rank order.
 
     Ranking by (score descending, index ascending) puts a parent before its child (its score is at least the
     child's and its index smaller), so the top `budget` are closed under ancestors; a score above an
-    ancestor's is first lowered to it, which keeps that true for any input. Invalid candidates rank after
-    every valid one: a row with fewer valid candidates than `budget` keeps some invalid ones, marked False in
-    `valid`, and the caller must not accept them. Valid nodes come first, each group in original index order,
-    so `valid` is a prefix (sum(valid) is the row's node count) and every parent still precedes its children
-    (a valid node's ancestors are valid).
+    ancestor's is first lowered to it, which keeps that true for any input. The nodes stay in that order, so
+    every prefix of the result is itself the best tree of its size: a verify forward narrower than the budget
+    scores the first nodes, the most confident ones (`jaxspec.cost.choose_tree_width`). Invalid candidates
+    rank after every valid one: a row with fewer valid candidates than `budget` keeps some invalid ones,
+    marked False in `valid`, and the caller must not accept them. So `valid` is a prefix (sum(valid) is the
+    row's node count), and every parent precedes its children (a valid node's ancestors are valid and rank
+    before it; an invalid node's parent ranks before it, or was not kept and becomes the root).
     """
     scores, parents, tokens = map(jnp.asarray, (scores, parents, tokens))
     _check_rank("scores", scores, 2, "[B, M]")
@@ -308,11 +310,8 @@ def select_nodes(scores: jax.Array, parents: jax.Array, tokens: jax.Array,
     anc = tree_ancestor_mask(parents)[:, 1:, 1:]  # bool[B, M, M] without the root
     path_min = jnp.min(jnp.where(anc, scores[:, None, :], jnp.inf), axis=-1)  # f32[B, M]
 
-    best = jnp.argsort(-path_min, axis=1, stable=True)[:, :budget]  # i32[B, budget]: ties by index
-    valid = jnp.take_along_axis(path_min, best, axis=1) > -jnp.inf
-    order = jnp.sort(jnp.where(valid, best, best + num), axis=1)  # valid first, then by index
-    valid = order < num  # bool[B, budget]
-    kept = jnp.where(valid, order, order - num).astype(jnp.int32)  # i32[B, budget]
+    kept = jnp.argsort(-path_min, axis=1, stable=True)[:, :budget].astype(jnp.int32)  # i32[B, budget]: ties by index
+    valid = jnp.take_along_axis(path_min, kept, axis=1) > -jnp.inf  # bool[B, budget]
 
     rows = jnp.arange(batch)[:, None]
     new_index = jnp.zeros((batch, num + 1), jnp.int32).at[rows, kept + 1].set(

@@ -2,14 +2,15 @@
 """Benchmark the trained drafters (Medusa, EAGLE chain, EAGLE-2 and EAGLE-3 dynamic trees) against `none` and `sam`.
 
 Prompts are the HumanEval problems held out from head training, completed as plain text (`held-out`) and asked
-about in a chat (`held-out-chat`, the model's chat template; workloads of benchkit.workloads), at batch 1,
-greedy and at temperature 0.8, with the heads shipped for the default model (`SpecConfig(method=...)` finds
-them by name). For each method it reports mean acceptance length (tokens committed per step: the heads'
-property, whatever the hardware), tokens/s, the speedup over `none` and for the tree methods several node
-budgets: a tree of N nodes costs c(N+1) plain steps on this CPU (docs/BENCHMARKS.md), so the budget that
-maximises tokens/s is picked and reported. Configurations run side by side: `--repeats` rounds, each running
-every configuration once in turn (every other round in reverse), after a warm-up round that compiles them;
-tokens/s is the median over rounds. Greedy outputs of every method are checked against `none` (lossless).
+about in a chat (`held-out-chat`, the model's chat template; workloads of benchkit.workloads), at batch 1, greedy
+and at temperature 0.8, with the heads shipped for the default model (`SpecConfig(method=...)` finds them by name).
+For each method it reports mean acceptance length (tokens committed per step: the heads' property, whatever the
+hardware), tokens/s, the speedup over `none` and for the tree methods several node budgets: a tree of N nodes costs
+c(N+1) plain steps on this CPU (docs/BENCHMARKS.md), so the budget that maximises tokens/s is picked and reported,
+beside the cost-aware trees, which draft the whole budget and score each step only the best nodes that the measured
+c(w) says repay their forward. Configurations run side by side: `--repeats` rounds, each running every
+configuration once in turn (every other round in reverse), after a warm-up round that compiles them; tokens/s is
+the median over rounds. Greedy outputs of every method are checked against `none` (lossless).
 
 Targets: EAGLE-2 mean acceptance length >= 3.0, Medusa >= 2.0 (issue 5); EAGLE-3 (31 nodes) >= 3.2 on code
 and >= 2.5 on chat, eagle2 or eagle3 >= 1.5x `none` on code and >= 1.3x on chat (issue 16); greedy, batch 1.
@@ -42,7 +43,8 @@ SPEED_TARGETS = {"held-out": 1.5, "held-out-chat": 1.3}  # eagle2 or eagle3 vs n
 WORKLOADS = ("held-out", "held-out-chat")
 
 
-def configs(budgets: list[int], eagle_ks: list[int], wide: list[tuple[int, int, int]]) -> list[tuple[str, SpecConfig]]:
+def configs(budgets: list[int], eagle_ks: list[int], wide: list[tuple[int, int, int]],
+            cost_aware: list[int] = ()) -> list[tuple[str, SpecConfig]]:
     out = [("none", SpecConfig()), ("sam", SpecConfig(method="sam"))]
     out += [(f"medusa N={n}", SpecConfig(method="medusa", num_speculative_tokens=n,
                                          verify_widths=(1, n + 1))) for n in budgets]
@@ -54,6 +56,10 @@ def configs(budgets: list[int], eagle_ks: list[int], wide: list[tuple[int, int, 
         out += [(f"{method} N={n} d{d} k{k}", SpecConfig(method=method, num_speculative_tokens=n, tree_depth=d,
                                                           tree_top_k=k, verify_widths=(1, n + 1)))
                 for n, d, k in wide]
+        # The tree drafted whole, each step scoring the best nodes its measured cost affords (jaxspec.cost).
+        out += [(f"{method} N={n} cost-aware", SpecConfig(method=method, num_speculative_tokens=n,
+                                                          verify_widths=(1, n + 1), cost_aware=True))
+                for n in cost_aware]
     return out
 
 
@@ -143,6 +149,9 @@ def main(argv=None) -> int:
                         help="more eagle2/eagle3 trees as N:depth:top_k, comma-separated; the default is the "
                              "EAGLE-2 paper's size (about 60 nodes, depth 6, top-10), whose head forwards over 10 "
                              "frontier rows cost more than the 4 of the budgets above (default: %(default)s)")
+    parser.add_argument("--cost-aware-budgets", default="15,31",
+                        help="eagle2/eagle3 budgets also run with cost-aware verify widths: each step scores the "
+                             "tree's best nodes up to the width its measured c(w) favours (default: %(default)s)")
     parser.add_argument("--temperatures", default="0,0.8", help="(default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved timed rounds (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default: %(default)s)")
@@ -151,19 +160,21 @@ def main(argv=None) -> int:
     try:
         budgets = [int(x) for x in args.budgets.split(",") if x]
         eagle_ks = [int(x) for x in args.eagle_ks.split(",") if x]
+        cost_aware = [int(x) for x in args.cost_aware_budgets.split(",") if x]
         temperatures = [float(x) for x in args.temperatures.split(",")]
         wide = [tuple(int(v) for v in t.split(":")) for t in args.eagle2_trees.split(",") if t]
         if any(len(t) != 3 for t in wide):
             raise ValueError(f"--eagle2-trees={args.eagle2_trees!r} needs N:depth:top_k entries")
     except ValueError as e:
-        parser.error(f"--budgets, --eagle-ks, --eagle2-trees and --temperatures take comma-separated numbers: {e}")
+        parser.error(f"--budgets, --eagle-ks, --eagle2-trees, --cost-aware-budgets and --temperatures take "
+                     f"comma-separated numbers: {e}")
     chosen_workloads = [w for w in args.workloads.split(",") if w]
     if not chosen_workloads or any(w not in WORKLOADS for w in chosen_workloads):
         parser.error(f"--workloads={args.workloads!r} must name some of {', '.join(WORKLOADS)}")
     if args.limit < 1 or args.new_tokens < 2 or args.repeats < 1:
         parser.error("--limit and --repeats must be >= 1 and --new-tokens >= 2")
     methods = {m for m in args.methods.split(",") if m}
-    chosen = [(label, spec) for label, spec in configs(budgets, eagle_ks, wide)
+    chosen = [(label, spec) for label, spec in configs(budgets, eagle_ks, wide, cost_aware)
               if not methods or label == "none" or label.split()[0] in methods]
 
     lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)

@@ -3,6 +3,7 @@ a narrower width never changes what is committed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig, cost
 from test_speculative import OracleProposer
+from test_tree_decode import TOPOLOGY, OracleTreeProposer, _known
 
 K = 8
 WIDTHS = (1, 5, 9)
@@ -40,6 +42,30 @@ def test_the_choice_weighs_expected_tokens_against_cost():
     # A finished row's drafts count for nothing.
     assert _choose((1.0, 1.5, 1.6), [8, 0], 0.9, active=[False, True]) == 0
     assert int(cost.narrowest_holding(WIDTHS, jnp.asarray([3, 0]))) == 1
+
+
+def _choose_tree(costs, confidence, num_draft=None, active=None, widths=(1, 3, 5)):
+    confidence = jnp.asarray(confidence, jnp.float32)
+    batch, k = confidence.shape
+    num_draft = jnp.full((batch,), k, jnp.int32) if num_draft is None else jnp.asarray(num_draft, jnp.int32)
+    active = jnp.ones((batch,), bool) if active is None else jnp.asarray(active)
+    return int(cost.choose_tree_width(widths, jnp.asarray(costs, jnp.float32), num_draft, confidence, active))
+
+
+def test_the_tree_choice_weighs_the_best_nodes_confidence_against_cost():
+    """A width w scores each row's w - 1 best nodes; they add their path probabilities to the one token the
+    target always gives."""
+    sure, unsure = [0.9, 0.8, 0.7, 0.6], [0.3, 0.1, 0.05, 0.01]
+    assert _choose_tree((1.0, 1.2, 1.4), [sure]) == 2  # 4.0 / 1.4 beats 2.7 / 1.2 and 1
+    assert _choose_tree((1.0, 1.2, 1.4), [unsure]) == 1  # 1.4 / 1.2 beats 1.46 / 1.4 and 1
+    assert _choose_tree((1.0, 1.5, 2.0), [unsure]) == 0
+    assert _choose_tree((1.0, 1.2, 1.4), [sure], num_draft=[1]) == 1  # one valid node: width 3 holds it
+    assert _choose_tree((1.0, 1.2, 1.4), [sure], num_draft=[0]) == 0  # no node: ties go to the narrowest
+    # Rows add up; a finished row's nodes count for nothing, its one token is not committed either.
+    assert _choose_tree((1.0, 1.4, 1.6), [sure, unsure]) == 2
+    assert _choose_tree((1.0, 1.4, 1.6), [sure, unsure], active=[False, True]) == 0
+    # Widths past the tree's K score all of it.
+    assert _choose_tree((1.0, 1.2, 2.0), [sure[:2]], widths=(1, 3, 9)) == 1
 
 
 def test_the_running_rate_starts_at_the_prior_and_follows_the_counts():
@@ -81,13 +107,10 @@ def cache_dir(tmp_path, monkeypatch):
     cost._MEMO.clear()
 
 
-def _oracle_run(lm, prompts, plain, sampling, cost_aware=True):
+def _oracle_run(lm, prompts, plain, sampling, cost_aware=True, drafts_per_row=None):
     width = max(len(p) for p in prompts) + 40 + K + 1
-    reference = np.zeros((len(prompts), width), np.int32)
-    for i, (p, out) in enumerate(zip(prompts, plain.token_ids)):
-        reference[i, : len(p) + len(out)] = p + out
     spec = SpecConfig(method="custom", num_speculative_tokens=K, verify_widths=WIDTHS, cost_aware=cost_aware,
-                      proposer=OracleProposer(K), proposer_params=jnp.asarray(reference))
+                      proposer=OracleProposer(K, drafts_per_row), proposer_params=_known(prompts, plain, width))
     return jaxspec.generate(lm, prompts, max_new_tokens=40, sampling=sampling, spec=spec)
 
 
@@ -169,6 +192,45 @@ def test_the_default_declines_dear_widths_above_one_row(tiny_lm, prompts, cache_
     cheap = _oracle_run(tiny_lm, prompts, plain, greedy, cost_aware=None)
     assert cheap.token_ids == plain.token_ids
     assert cheap.stats.drafted > 0 and cheap.stats.mean_acceptance_length > 0.8 * (K + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankedOracleTree(OracleTreeProposer):
+    """The oracle tree (true tokens at rank 0 at every depth) declaring its nodes best first, with confidence
+    falling by index: width 3 scores nodes (0,) and (1,), so a step commits 2 tokens; width 5 adds (0, 0) and
+    (0, 1), 3 tokens; width 9 reaches (0, 0, 0, 0), 5 tokens."""
+
+    ranks_nodes = True
+
+    def propose(self, params, pstate, ctx, keys):
+        draft, pstate = super().propose(params, pstate, ctx, keys)
+        confidence = jnp.broadcast_to(0.9 ** jnp.arange(1, self.num_speculative_tokens + 1), draft.tokens.shape)
+        return draft.replace(confidence=confidence.astype(jnp.float32)), pstate
+
+
+@pytest.mark.parametrize("costs, tokens_per_step", [
+    ({1: 1.0, 3: 1.0, 5: 1.0, 9: 1.0, 10: 1.0}, (4.0, 5.0)),  # everything cheap: the whole tree
+    ({1: 1.0, 3: 1.0, 5: 100.0, 9: 100.0, 10: 100.0}, (1.6, 2.0)),  # only width 3 affordable: 2 nodes
+    ({1: 1.0, 3: 100.0, 5: 100.0, 9: 100.0, 10: 100.0}, (1.0, 1.0)),  # nothing repays a draft: plain steps
+])
+def test_a_ranked_tree_scores_the_best_nodes_its_costs_afford(tiny_lm, prompts, cache_dir, monkeypatch, costs,
+                                                              tokens_per_step):
+    """A tree drafted best node first is scored by the width its measured costs favour (the tree widths
+    offered beside its own), and greedy and seeded rows still reproduce plain decoding token for token."""
+    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(costs[w] for w in widths))
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, sampling=MIXED)
+    tree = RankedOracleTree(TOPOLOGY.num_nodes, TOPOLOGY, (0, 0, 0, 0), vocab=97)
+    spec = SpecConfig(method="custom", num_speculative_tokens=TOPOLOGY.num_nodes, verify_widths=(1, 10),
+                      cost_aware=True, proposer=tree, proposer_params=_known(prompts, plain, 128))
+    assert jaxspec.prepare(tiny_lm, prompts, max_new_tokens=40, sampling=MIXED, spec=spec).widths == (1, 3, 5, 9, 10)
+    out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, sampling=MIXED, spec=spec)
+    assert out.token_ids == plain.token_ids
+    low, high = tokens_per_step
+    assert low <= out.stats.mean_acceptance_length <= high
+    if high > 1:
+        assert out.stats.drafted > 0 and out.stats.accepted > 0
+    else:
+        assert out.stats.drafted == 0 and out.stats.steps == plain.stats.steps
 
 
 def test_switched_off_by_the_environment(tiny_lm, prompts, monkeypatch):

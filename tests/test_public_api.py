@@ -292,7 +292,8 @@ class ShapedProposer(ChainProposer):
 
     def propose(self, params, pstate, ctx: Context, keys):
         b, k = ctx.history.shape[0], self.num_speculative_tokens
-        shapes = {"tokens": (b, k), "num_draft": (b,), "probs": (b, k, VOCAB), "parents": (b, k)}
+        shapes = {"tokens": (b, k), "num_draft": (b,), "probs": (b, k, VOCAB), "parents": (b, k),
+                  "confidence": (b, k)}
         if self.wrong:
             name, delta = self.wrong.split(":")
             shapes[name] = shapes[name][:-1] + (shapes[name][-1] + int(delta),)
@@ -300,7 +301,8 @@ class ShapedProposer(ChainProposer):
         num = jnp.zeros(shapes["num_draft"], jnp.int32)  # never drafts: output equals plain decoding
         probs = jnp.full(shapes["probs"], 1.0 / VOCAB) if self.wrong.startswith("probs") else None
         parents = jnp.zeros(shapes["parents"], jnp.int32) if self.wrong.startswith("parents") else None
-        return Draft(tokens=tokens, num_draft=num, probs=probs, parents=parents), pstate
+        confidence = jnp.ones(shapes["confidence"]) if self.wrong.startswith("confidence") else None
+        return Draft(tokens=tokens, num_draft=num, probs=probs, parents=parents, confidence=confidence), pstate
 
     def update(self, params, pstate, ctx: Context, committed: Committed):
         return pstate
@@ -321,6 +323,7 @@ def test_a_well_shaped_custom_proposer_passes(tiny_lm, prompts):
     ("num_draft:1", r"Draft.num_draft has shape \(5,\).*expected integers of shape \(4,\)$"),
     ("probs:1", r"Draft.probs has shape \(4, 3, 98\).*\(4, 3, 97\) or None"),
     ("parents:1", r"Draft.parents has shape \(4, 4\).*\(4, 3\) or None"),
+    ("confidence:-1", r"Draft.confidence has shape \(4, 2\).*expected floats of shape \(4, 3\) or None"),
 ])
 def test_a_wrongly_shaped_draft_raises_naming_the_field(tiny_lm, prompts, wrong, message):
     spec = _custom(ShapedProposer(wrong=wrong))

@@ -227,12 +227,11 @@ def test_tokens_from_topk():
 # --- select_nodes (EAGLE-2) --------------------------------------------------------------------------------
 
 def _reference_select(scores, parents, tokens, budget):
-    """One row: rank by (score desc, index); valid first, then each group by index; parents remapped."""
+    """One row: rank by (score desc, index), kept in that order; parents remapped."""
     floor = []  # the smallest score on each node's path
     for i, p in enumerate(parents):
         floor.append(min(scores[i], floor[p - 1]) if p else scores[i])
-    top = sorted(range(len(scores)), key=lambda i: (-floor[i], i))[:budget]
-    kept = sorted(top, key=lambda i: (floor[i] == -np.inf, i))
+    kept = sorted(range(len(scores)), key=lambda i: (-floor[i], i))[:budget]
     new = {0: 0, **{old + 1: n + 1 for n, old in enumerate(kept)}}
     return ([tokens[i] for i in kept], [new[parents[i]] for i in kept], kept, [floor[i] > -np.inf for i in kept])
 

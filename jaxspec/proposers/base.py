@@ -39,6 +39,11 @@ class Draft:
     # num_draft counts nodes (a prefix in index order), the row's max_draft bounds the accepted depth, and
     # probs[:, j] is the distribution node j's children were drawn from.
     parents: jax.Array | None = None
+    # f32[B, K] for a tree whose nodes are in rank order (every prefix is the best tree of its size): each node's
+    # draft probability of its whole path, the chance the head gives it of being accepted. Given, the loop may
+    # score only a prefix of the tree when its measured cost says a wider forward does not pay
+    # (jaxspec.cost.choose_tree_width). None: the tree is scored whole.
+    confidence: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -88,8 +93,8 @@ class Proposer(Protocol):
     raises ValueError when it lacks an attribute or function below or is not hashable (make it a frozen
     dataclass), and `jaxspec.prepare` / `generate` trace `propose` once (`jax.eval_shape`) and raise ValueError
     naming any Draft field of the wrong shape: tokens [B, K] int, num_draft [B] int, probs None or [B, K, V],
-    parents None or [B, K]. A proposer drafting chains from tokens alone can inherit `ChainProposer` for the
-    two declarations.
+    parents None or [B, K], confidence None or [B, K]. A proposer drafting chains from tokens alone can inherit
+    `ChainProposer` for the two declarations.
     """
 
     num_speculative_tokens: int  # K, the static draft budget per step (tree proposers: non-root nodes)
@@ -100,6 +105,8 @@ class Proposer(Protocol):
     needs_features: bool
     # The most drafts one step can accept: K for a chain, the depth for a tree. It sizes tree verification.
     max_depth: int
+    # Optional: a tree proposer declares `ranks_nodes = True` when it returns its nodes best first with their
+    # `Draft.confidence`, so a cost-aware loop may score only the best of them (`ranks_tree_nodes`).
 
     def init(self, params: Any, ctx: Context) -> PState:
         """The per-row state after prefill (ctx holds each row's prompt and first generated token)."""
@@ -118,6 +125,12 @@ def drafts_chains(proposer: Proposer) -> bool:
     """Whether `proposer` drafts chains: one step can accept all K of its drafts (a tree of K nodes accepts at
     most its depth, fewer than K)."""
     return proposer.max_depth == proposer.num_speculative_tokens
+
+
+def ranks_tree_nodes(proposer: Proposer) -> bool:
+    """Whether `proposer` drafts trees best node first with each node's confidence (`Draft.confidence`), so a
+    narrower verify forward can score the best part of its tree (declared as `ranks_nodes`)."""
+    return bool(getattr(proposer, "ranks_nodes", False))
 
 
 class ChainProposer:

@@ -17,8 +17,10 @@ positions); drafts write past it and are overwritten, like the target's rejected
   head once (one forward per depth over that depth's parents) and its children are its ranked top-k tokens.
 - propose, mode "tree" (EAGLE-2's dynamic tree): from the root, expand the `top_k` most confident frontier
   nodes by cumulative draft log-probability, each with its top-k children, for `depth` levels, then keep the
-  K best nodes (`select_nodes`, closed under ancestors). Each level is one head forward over the frontier
-  under a tree mask. Candidates are deterministic, so sampled rows use the point-mass rule (lossless).
+  K best nodes (`select_nodes`, closed under ancestors), best first, with each one's path probability as its
+  confidence, so the loop can score fewer of them where a wide forward costs more than it would commit. Each
+  level is one head forward over the frontier under a tree mask. Candidates are deterministic, so sampled rows
+  use the point-mass rule (lossless).
 
 EAGLE-3 (`feature_layers` set, an `Eagle3Head`) drafts the same ways. The loop hands it the outputs of the
 target's low, middle and high layers side by side, [.., L*D], instead of the final hidden state, and the head
@@ -95,6 +97,11 @@ class EagleProposer:
         if self.mode == "static":
             return self.topology.max_depth
         return self.depth if self.mode == "tree" else self.num_speculative_tokens
+
+    @property
+    def ranks_nodes(self) -> bool:
+        """Tree mode drafts its nodes best first, with their confidence (`Draft.confidence`)."""
+        return self.mode == "tree"
 
     @property
     def num_candidates(self) -> int:
@@ -277,5 +284,7 @@ class EagleProposer:
             f_inputs = jnp.take_along_axis(out, owner[:, :, None], axis=1)
             ancestry = jnp.take_along_axis(ancestry, owner[:, :, None], axis=1)
 
-        kept_tokens, kept_parents, _, valid = select_nodes(scores, parents, tokens, self.num_speculative_tokens)
-        return Draft(tokens=kept_tokens, num_draft=jnp.sum(valid, axis=1).astype(jnp.int32), parents=kept_parents)
+        kept_tokens, kept_parents, kept, valid = select_nodes(scores, parents, tokens, self.num_speculative_tokens)
+        confidence = jnp.where(valid, jnp.exp(jnp.take_along_axis(scores, kept, axis=1)), 0.0)  # f32[B, K]
+        return Draft(tokens=kept_tokens, num_draft=jnp.sum(valid, axis=1).astype(jnp.int32), parents=kept_parents,
+                     confidence=confidence)
