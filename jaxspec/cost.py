@@ -79,6 +79,15 @@ def expected_committed(rate: jax.Array, scored: jax.Array) -> jax.Array:
     return (1.0 - rate ** (scored + 1)) / (1.0 - rate)
 
 
+def furthest_behind(remaining: jax.Array, active: jax.Array) -> jax.Array:
+    """bool[B]: the active rows with the most tokens left to generate (remaining i32[B]), the ones the batch's
+    last step waits for. A batch runs until its last row is done, so a draft scored for a row ahead of them
+    commits tokens earlier without ending the batch any sooner, while the wider forward costs every row. The
+    width choice weighs only these rows' expected tokens (a row that ends early on a stop token is not foreseen)."""
+    most = jnp.max(jnp.where(active, remaining, jnp.iinfo(jnp.int32).min))
+    return active & (remaining == most)
+
+
 def choose_width(widths: tuple[int, ...], verify_cost: jax.Array, num_draft: jax.Array, rate: jax.Array,
                  active: jax.Array) -> jax.Array:
     """i32[] index into `widths` maximising expected committed tokens per unit of forward cost.

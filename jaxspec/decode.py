@@ -472,19 +472,20 @@ def _write_deferred(verified: Verified, cache: KVCache) -> Verified:
 
 
 def _width_choice(widths: tuple[int, ...], num_draft: jax.Array, state: DecodeState, draft: Draft,
-                  verify_cost: jax.Array | None) -> jax.Array:
+                  limits: RowLimits, verify_cost: jax.Array | None) -> jax.Array:
     """i32[] index of this step's verify width. By default the narrowest width holding the batch's longest
     draft, so a step where nobody drafts costs one plain step, not c(K+1) of them; with a measured cost table
-    (chains, and trees that rank their nodes) the width maximising expected committed tokens per unit of cost
-    (`jaxspec.cost`)."""
+    (chains, and trees that rank their nodes) the width maximising the expected tokens of the rows furthest
+    from their end per unit of cost (`jaxspec.cost`)."""
     if verify_cost is None or len(widths) == 1:
         return cost.narrowest_holding(widths, num_draft)
+    behind = cost.furthest_behind(limits.max_new_tokens - state.num_generated, ~state.done)  # bool[B]
     if draft.parents is not None:
         if draft.confidence is None:
             return cost.narrowest_holding(widths, num_draft)
-        return cost.choose_tree_width(widths, verify_cost, num_draft, draft.confidence, ~state.done)
+        return cost.choose_tree_width(widths, verify_cost, num_draft, draft.confidence, behind)
     rate = cost.optimistic_rate(state.counters.accepted, state.counters.drafted)  # f32[B]
-    return cost.choose_width(widths, verify_cost, num_draft, rate, ~state.done)
+    return cost.choose_width(widths, verify_cost, num_draft, rate, behind)
 
 
 def commit(state: DecodeState, verified: Verified, limits: RowLimits) -> tuple[DecodeState, jax.Array, jax.Array]:
@@ -550,7 +551,7 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     draft, in_vocab = _replace_out_of_vocab(draft, model.cfg.vocab_size)
     num_draft = _num_draft(draft, in_vocab, ctx.max_draft, k)  # i32[B]
     node_depth = None if draft.parents is None else depths(draft.parents)  # i32[B, K+1], the root included
-    choice = _width_choice(widths, num_draft, state, draft, verify_cost)
+    choice = _width_choice(widths, num_draft, state, draft, limits, verify_cost)
     num_draft = jnp.minimum(num_draft, jnp.asarray(widths, jnp.int32)[choice] - 1)  # drafts past it wait
 
     verified = verify(model, proposer, state, draft, num_draft, in_vocab, node_depth, ctx.max_draft, sampling,

@@ -68,6 +68,13 @@ def test_the_tree_choice_weighs_the_best_nodes_confidence_against_cost():
     assert _choose_tree((1.0, 1.2, 2.0), [sure[:2]], widths=(1, 3, 9)) == 1
 
 
+def test_only_the_rows_furthest_from_their_end_count():
+    """The batch waits for its last row: drafts of rows ahead of it buy nothing (a finished row is never behind)."""
+    behind = cost.furthest_behind(jnp.asarray([40, 52, 52, 60, 3]), jnp.asarray([True, True, True, False, True]))
+    assert behind.tolist() == [False, True, True, False, False]
+    assert not cost.furthest_behind(jnp.asarray([5, 5]), jnp.asarray([False, False])).any()
+
+
 def test_the_running_rate_starts_at_the_prior_and_follows_the_counts():
     rate = cost.acceptance_rate(jnp.asarray([0, 90, 0]), jnp.asarray([0, 100, 100]))
     assert np.allclose(rate, [cost.PRIOR_RATE, (90 + 2) / 104, 2 / 104])
@@ -154,6 +161,19 @@ def test_cheap_wide_costs_let_an_accurate_proposer_draft_at_full_width(tiny_lm, 
     assert out.token_ids == plain.token_ids
     # The oracle is always right: every step but the last ones commits K + 1 tokens.
     assert out.stats.mean_acceptance_length > 0.8 * (K + 1)
+
+
+def test_drafts_of_rows_ahead_of_the_last_are_not_scored(tiny_lm, prompts, cache_dir, monkeypatch):
+    """Every width costs one plain step, rows 0 and 1 always draft the right tokens and row 2 never drafts. The
+    first step scores the drafts (every row is as far from its end); from then on row 2 is the one the batch
+    waits for, and scoring the others' drafts would not end the batch sooner, so nothing more is scored."""
+    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(1.0 for _ in widths))
+    greedy = SamplingParams(temperature=0.0)
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, sampling=greedy)
+    out = _oracle_run(tiny_lm, prompts, plain, greedy, drafts_per_row=(K, K, 0))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted == 2 * K and out.stats.accepted == 2 * K
+    assert out.stats.steps == plain.stats.steps
 
 
 def test_the_default_measures_chains_of_several_rows_only(tiny_lm, prompts, head_files, cache_dir, monkeypatch):
