@@ -7,15 +7,16 @@ whose drafts are accepted with probability a each and that has m of them scored 
 
     E(m) = 1 + a + a^2 + ... + a^m          (the target always adds one token of its own)
 
-Each step runs the compiled width w maximising  sum over active rows of E(min(n_row, w - 1)) / c(w);  drafts
-past it are not scored this step. A draft tree whose nodes come best first scores its best w - 1 nodes, each
-expected to be accepted with its path's draft probability (`choose_tree_width`). A shorter draft is still a
-draft, so the choice never changes what is committed, only how fast. The rate a is the row's running
-acceptance (accepted / drafted so far), pulled towards a prior while the row has drafted little: a row whose
-drafts keep failing stops paying for wide forwards, one whose drafts keep landing keeps them. The choice uses
-the rate plus an exploration bonus that shrinks as 1 / sqrt(drafts scored) (an upper confidence bound): the
-estimate only moves when drafts are scored, so a row whose prior rate never repays a wider forward would
-otherwise never draft and never learn that its drafts land.
+Each step runs the compiled width w maximising  sum over the rows furthest behind of E(min(n_row, w - 1)) /
+c(w):  a batch ends with its last row, so only the active rows with the most tokens left to generate count
+(`furthest_behind`); drafts past w are not scored this step. A draft tree whose nodes come best first scores its
+best w - 1 nodes, each expected to be accepted with its path's draft probability (`choose_tree_width`). A
+shorter draft is still a draft, so the choice never changes what is committed, only how fast. The rate a is the
+row's running acceptance (accepted / drafted so far), pulled towards a prior while the row has drafted little: a
+row whose drafts keep failing stops paying for wide forwards, one whose drafts keep landing keeps them. The
+choice uses the rate plus an exploration bonus that shrinks as 1 / sqrt(drafts scored) (an upper confidence
+bound): the estimate only moves when drafts are scored, so a row whose prior rate never repays a wider forward
+would otherwise never draft and never learn that its drafts land.
 """
 
 from __future__ import annotations
