@@ -283,7 +283,9 @@ class SpecConfig:
     # CPU), which the narrowest-width rule took at 0.42-0.51x of plain decoding's speed and the cost-aware one
     # declines; at one row the matched-length rule is tuned and drafts more (docs/BENCHMARKS.md). The first
     # call of a shape pays for the measurement (45 s for SmolLM2 at 8 rows on a 2-core CPU: compiling and
-    # timing six widths' forwards); JAXSPEC_VERIFY_COST=off switches it off.
+    # timing six widths' forwards); JAXSPEC_VERIFY_COST=off switches it off. EAGLE-2 and EAGLE-3 trees (drafted
+    # best node first) choose by cost at one row too: scoring only the nodes the cost repays ran 1.08-1.19x plain
+    # decoding's speed at one row against 0.93-1.10x for the whole 15-node tree (docs/BENCHMARKS.md).
     cost_aware: bool | None = None
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
     # medusa / eagle / eagle2 / eagle3: the trained head's file (jaxspec.models.heads.save_head); None takes the
@@ -387,10 +389,10 @@ class SpecConfig:
             raise ValueError(f"verify_widths={widths!r} must be >= 1 and end at num_speculative_tokens + 1 = {k + 1}")
         object.__setattr__(self, "verify_widths", tuple(sorted(set(widths))))
 
-    def cost_aware_at(self, batch: int) -> bool:
+    def cost_aware_at(self, batch: int, ranked_tree: bool = False) -> bool:
         """Whether a batch of `batch` rows chooses each step's verify width by measured cost (`cost_aware`;
-        None means above one row)."""
-        return batch > 1 if self.cost_aware is None else bool(self.cost_aware)
+        None means above one row, and at every batch size for a tree drafted best node first)."""
+        return (batch > 1 or ranked_tree) if self.cost_aware is None else bool(self.cost_aware)
 
     @classmethod
     def adaptive_sam(cls, **overrides) -> "SpecConfig":

@@ -457,7 +457,7 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     verify_cost = None
     # Chains, and trees drafted best node first; the loop would ignore another tree's table.
     ranked = ranks_tree_nodes(proposer)
-    if ((drafts_chains(proposer) or ranked) and req.spec.cost_aware_at(batch) and len(widths) > 1
+    if ((drafts_chains(proposer) or ranked) and req.spec.cost_aware_at(batch, ranked) and len(widths) > 1
             and cost.enabled()):
         widths = widths_for_cost_choice(widths, proposer.num_speculative_tokens, tree=ranked)
         # Costs at a cache about half filled with output, the middle of the run, rounded down to the cache's

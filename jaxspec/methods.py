@@ -221,6 +221,8 @@ def _defaults(**settings) -> Mapping[str, Any]:
 # 1.91, medusa 1.90), and tokens/s went from 0.61x to 1.07x of plain decoding's for eagle2 (eagle 0.64x -> 1.00x). 2048
 # drafts ~0.05 of a step cheaper but loses twice the acceptance and covers 85-89% of English and chat text against
 # 93-95% (scripts/bench_draft_vocab.py, docs/BENCHMARKS.md).
+# EAGLE-2/3 draft their 15 nodes best first, and where costs are measured (by default) a step scores only the best
+# nodes its c(w) repays, at widths 3, 5 or 9 beside 16 (`SpecConfig.cost_aware`, shapes.TREE_COST_CHOICE_WIDTHS).
 _ALL = (
     Method("none", "plain", "plain decoding: no drafts", _build_none, served=True,
            defaults=_defaults(num_speculative_tokens=0, min_match=1, draft_per_match=math.inf, verify_widths=(1,))),

@@ -104,6 +104,8 @@ def test_unset_cost_awareness_means_above_one_row():
     assert auto.cost_aware is None
     assert [auto.cost_aware_at(b) for b in (1, 2, 8)] == [False, True, True]
     assert not any(fixed.cost_aware_at(b) for b in (1, 8)) and all(always.cost_aware_at(b) for b in (1, 8))
+    # A tree drafted best node first chooses by cost at one row too, unless told not to.
+    assert auto.cost_aware_at(1, ranked_tree=True) and not fixed.cost_aware_at(1, ranked_tree=True)
 
 
 @pytest.fixture
@@ -176,7 +178,8 @@ def test_drafts_of_rows_ahead_of_the_last_are_not_scored(tiny_lm, prompts, cache
     assert out.stats.steps == plain.stats.steps
 
 
-def test_the_default_measures_chains_of_several_rows_only(tiny_lm, prompts, head_files, cache_dir, monkeypatch):
+def test_the_default_measures_chains_of_several_rows_and_ranked_trees(tiny_lm, prompts, head_files, cache_dir,
+                                                                      monkeypatch):
     timed = []
     monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: timed.append(batch) or tuple(
         float(w) for w in widths))
@@ -191,6 +194,11 @@ def test_the_default_measures_chains_of_several_rows_only(tiny_lm, prompts, head
     assert timed == [3]
     # The cost choice is offered the narrow widths too (shapes.COST_CHOICE_WIDTHS), each measured.
     assert p.widths == (1, 2, 3, 5, 9, 17) and p.verify_cost.tolist() == list(p.widths)
+    # An EAGLE-2 tree ranks its nodes: measured at one row too, offered the tree widths 3, 5 and 9.
+    eagle2 = SpecConfig(method="eagle2", head_path=head_files["eagle"], num_speculative_tokens=9, tree_depth=4,
+                        tree_top_k=3, verify_widths=(1, 10))
+    p = jaxspec.prepare(tiny_lm, prompts[:1], max_new_tokens=8, spec=eagle2)
+    assert timed == [3, 1] and p.widths == (1, 3, 5, 9, 10) and p.verify_cost is not None
 
 
 def test_the_default_declines_dear_widths_above_one_row(tiny_lm, prompts, cache_dir, monkeypatch):
