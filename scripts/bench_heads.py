@@ -21,6 +21,11 @@ and >= 2.5 on chat, eagle2 or eagle3 >= 1.5x `none` on code and >= 1.3x on chat 
     python scripts/bench.py --heads ...                  # the same, through scripts/bench.py
 
 Outputs: bench_out/bench_heads.json and bench_out/bench_heads.md (the table, also printed).
+
+Every configuration keeps its compiled programs (one per prompt shape and verify width) for the whole run, so
+that no timed round reloads one, and XLA:CPU maps memory regions for each. Linux's default `vm.max_map_count`
+(65530) ran out within the first workload of a ten-configuration run ("LLVM ERROR: Unable to allocate section
+memory"); the script warns below 262144: raise it (`sysctl -w vm.max_map_count=1048576`) or run fewer.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import argparse
 import functools
 import statistics
 import sys
+from pathlib import Path
 
 import jaxspec
 from benchkit import machine, output, tables, workloads
@@ -134,6 +140,20 @@ def best_per_method(rows: dict) -> dict:
     return best
 
 
+MEMORY_MAPS_WANTED = 262144
+
+
+def warn_if_few_memory_maps(num_configs: int, path: str = "/proc/sys/vm/max_map_count") -> None:
+    """Print a warning when the kernel's limit on memory maps may not hold every configuration's programs."""
+    try:
+        limit = int(Path(path).read_text())
+    except (OSError, ValueError):  # not Linux, or not readable: nothing to say
+        return
+    if limit < MEMORY_MAPS_WANTED and num_configs > 6:
+        print(f"warning: vm.max_map_count is {limit}; {num_configs} configurations' compiled programs may not fit "
+              f"(raise it: sysctl -w vm.max_map_count=1048576)", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=8, help="held-out prompts to run (default: %(default)s)")
@@ -177,6 +197,7 @@ def main(argv=None) -> int:
     chosen = [(label, spec) for label, spec in configs(budgets, eagle_ks, wide, cost_aware)
               if not methods or label == "none" or label.split()[0] in methods]
 
+    warn_if_few_memory_maps(len(chosen))
     lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
     report = machine.info() | {"model": lm.name, "num_prompts": args.limit, "new_tokens": args.new_tokens,
                                "repeats": args.repeats, "runs": {}, "best": {}}
