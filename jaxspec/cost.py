@@ -90,35 +90,37 @@ def furthest_behind(remaining: jax.Array, active: jax.Array) -> jax.Array:
 
 
 def choose_width(widths: tuple[int, ...], verify_cost: jax.Array, num_draft: jax.Array, rate: jax.Array,
-                 active: jax.Array) -> jax.Array:
+                 counted: jax.Array) -> jax.Array:
     """i32[] index into `widths` maximising expected committed tokens per unit of forward cost.
 
     verify_cost f32[W] is c(w) per compiled width; num_draft i32[B] the drafts each row proposed; rate f32[B]
-    its acceptance estimate; active bool[B] the rows still generating. Ties go to the narrower width.
+    its acceptance estimate; counted bool[B] the rows whose tokens count (the loop passes `furthest_behind`;
+    never a finished row). Ties go to the narrower width.
     """
     scored = jnp.minimum(num_draft[:, None], jnp.asarray(widths, jnp.int32)[None, :] - 1)  # i32[B, W]
-    committed = jnp.sum(jnp.where(active[:, None], expected_committed(rate[:, None], scored), 0.0), axis=0)  # [W]
+    committed = jnp.sum(jnp.where(counted[:, None], expected_committed(rate[:, None], scored), 0.0), axis=0)  # [W]
     return jnp.argmax(committed / verify_cost).astype(jnp.int32)
 
 
 def choose_tree_width(widths: tuple[int, ...], verify_cost: jax.Array, num_draft: jax.Array,
-                      confidence: jax.Array, active: jax.Array) -> jax.Array:
+                      confidence: jax.Array, counted: jax.Array) -> jax.Array:
     """i32[] index into `widths` maximising expected committed tokens per unit of forward cost, for draft trees
     whose nodes come best first (`jaxspec.tree.select_nodes`), so a width w scores the best tree of w - 1 nodes.
 
     A node is accepted exactly when its whole path is, so a tree commits in expectation 1 + the sum over its
     nodes of the chance each path is accepted. The draft's own path probability (confidence f32[B, K]) is
     that chance if the head's distribution were the target's: the estimate EAGLE-2 grows its trees by.
-    verify_cost f32[W] is c(w); num_draft i32[B] each row's valid nodes; active bool[B] the rows still
-    generating. Ties go to the narrower width.
+    verify_cost f32[W] is c(w); num_draft i32[B] each row's valid nodes; counted bool[B] the rows whose tokens
+    count, as in `choose_width`. Ties go to the narrower width.
     """
     k = confidence.shape[1]
     scored = jnp.arange(k)[None, :] < num_draft[:, None]  # bool[B, K]
-    gained = jnp.cumsum(jnp.where(scored & active[:, None], confidence, 0.0), axis=1)  # f32[B, K]
-    # Committed over the batch with the first w - 1 nodes of each row: its active rows plus their nodes' chances.
+    gained = jnp.cumsum(jnp.where(scored & counted[:, None], confidence, 0.0), axis=1)  # f32[B, K]
+    # Committed over the batch with the first w - 1 nodes of each row: one token per counted row plus their
+    # nodes' chances.
     nodes = jnp.asarray(widths, jnp.int32) - 1  # i32[W]
     prefix = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.sum(gained, axis=0)])  # f32[K+1]
-    committed = jnp.sum(active) + prefix[jnp.minimum(nodes, k)]  # f32[W]
+    committed = jnp.sum(counted) + prefix[jnp.minimum(nodes, k)]  # f32[W]
     return jnp.argmax(committed / verify_cost).astype(jnp.int32)
 
 

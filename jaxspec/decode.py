@@ -477,12 +477,11 @@ def _width_choice(widths: tuple[int, ...], num_draft: jax.Array, state: DecodeSt
     draft, so a step where nobody drafts costs one plain step, not c(K+1) of them; with a measured cost table
     (chains, and trees that rank their nodes) the width maximising the expected tokens of the rows furthest
     from their end per unit of cost (`jaxspec.cost`)."""
-    if verify_cost is None or len(widths) == 1:
+    unranked_tree = draft.parents is not None and draft.confidence is None  # scored whole
+    if verify_cost is None or len(widths) == 1 or unranked_tree:
         return cost.narrowest_holding(widths, num_draft)
     behind = cost.furthest_behind(limits.max_new_tokens - state.num_generated, ~state.done)  # bool[B]
     if draft.parents is not None:
-        if draft.confidence is None:
-            return cost.narrowest_holding(widths, num_draft)
         return cost.choose_tree_width(widths, verify_cost, num_draft, draft.confidence, behind)
     rate = cost.optimistic_rate(state.counters.accepted, state.counters.drafted)  # f32[B]
     return cost.choose_width(widths, verify_cost, num_draft, rate, behind)

@@ -62,7 +62,7 @@ FORCED_TEXT_WIDTHS = (3, 5)
 # can still score their first drafts cheaply. The table decides which of them a step runs.
 COST_CHOICE_WIDTHS = (2, 3, 5)
 # ... and beside a tree method's (whose nodes come best first, so a narrower width scores the best smaller tree):
-# at one row c(3), c(5), c(9) are about 1.2, 1.4 and 1.6 plain steps against 2.2-2.7 for a 16-node tree.
+# at one row c(3), c(5), c(9) measured about 1.1-1.3, 1.3-1.4 and 1.5-1.7 plain steps against 2.0-2.7 for c(17).
 TREE_COST_CHOICE_WIDTHS = (3, 5, 9)
 
 
