@@ -210,6 +210,7 @@ class SamplingParams:
 
 
 SamSource = Literal["dynamic", "static", "both"]
+SamIndex = Literal["auto", "match", "automaton"]
 
 
 def _short_repr(value, limit: int = 160) -> str:
@@ -271,6 +272,12 @@ class SpecConfig:
     draft_per_match: float | None = None
     ngram_max: int = 4  # prompt lookup tries n-grams of ngram_max .. min_match tokens
     sam_source: SamSource = "dynamic"
+    # How the dynamic source finds the longest earlier occurrence of a row's suffix: "automaton" (a suffix
+    # automaton extended token by token in data-dependent loops), "match" (a match-length array updated by
+    # comparing, a fixed number of array operations per step), or "auto": "match" on accelerators, where each
+    # loop iteration is a kernel launch, and on a CPU up to 4096 tokens of text (jaxspec.proposers.sam). Both
+    # draft the same tokens.
+    sam_index: SamIndex = "auto"
     # Widths (new tokens per row) the verify forward may take; each step runs the narrowest one that holds
     # the longest draft in the batch, so a step where no row drafts costs one plain decode step (unless the
     # width is chosen by cost, `cost_aware`).
@@ -354,6 +361,8 @@ class SpecConfig:
             raise ValueError(f"ngram_max={self.ngram_max!r} must be >= min_match={self.min_match!r}")
         if self.sam_source not in ("dynamic", "static", "both"):
             raise ValueError(f"sam_source={self.sam_source!r} must be 'dynamic', 'static' or 'both'")
+        if self.sam_index not in ("auto", "match", "automaton"):
+            raise ValueError(f"sam_index={self.sam_index!r} must be 'auto', 'match' or 'automaton'")
         if self.sam_source != "dynamic" and self.method == "sam" and self.static_sam is None:
             raise ValueError(f"sam_source={self.sam_source!r} needs static_sam (a StaticSuffixAutomaton)")
         if self.method == "draft_model" and self.draft_model is None:

@@ -97,7 +97,7 @@ def _build_sam(lm, spec, shapes):
     if spec.sam_source != "dynamic":
         _check_static_sam(lm, spec.static_sam)
     return SamProposer(spec.num_speculative_tokens, max_text_len=shapes.prompt_width + shapes.buffer_len,
-                       source=spec.sam_source, min_match=spec.min_match,
+                       source=spec.sam_source, index=spec.sam_index, min_match=spec.min_match,
                        draft_per_match=spec.draft_per_match), spec.static_sam
 
 

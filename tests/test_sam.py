@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxspec import SpecConfig
 from jaxspec.config import SamplingParams
 from jaxspec.proposers import suffix_automaton as sa
+from jaxspec.proposers import suffix_match as sm
 from jaxspec.proposers.base import Committed, Context
 from jaxspec.proposers.sam import SamProposer
 from jaxspec.proposers.suffix_automaton import StaticMatch, StaticSuffixAutomaton, SuffixAutomaton
@@ -318,7 +320,9 @@ def expected_draft(proposer, corpus, t, max_draft):
     SamProposer(4, max_text_len=120, min_match=3, draft_per_match=0.5),
     SamProposer(4, max_text_len=120, source="static"),
     SamProposer(4, max_text_len=60, source="both", draft_per_match=1.0),  # max_text_len: rows outgrow it
-], ids=["dynamic", "min_match_per_match", "static", "both"])
+    SamProposer(4, max_text_len=120, index="automaton"),
+    SamProposer(4, max_text_len=60, source="both", draft_per_match=1.0, index="automaton"),
+], ids=["dynamic", "min_match_per_match", "static", "both", "dynamic_automaton", "both_automaton"])
 def test_sam_proposer_protocol(proposer):
     rng = np.random.default_rng(7)
     k, batch, width = proposer.num_speculative_tokens, 4, 120
@@ -383,7 +387,7 @@ def test_both_takes_the_longer_match():
 def test_compiled_update_changes_the_tables_in_place():
     """No copy of a whole table in the compiled init or update: XLA:CPU inserts one (at every loop iteration)
     when a write to an array is not ordered after the reads of it, which made a step ~20x slower."""
-    proposer = SamProposer(4, max_text_len=64)
+    proposer = SamProposer(4, max_text_len=64, index="automaton")
     batch = 2
     ctx = make_ctx(np.zeros((batch, 64), np.int32), [3, 5], [4, 4])
     pstate = jax.eval_shape(proposer.init, None, ctx)
@@ -393,3 +397,93 @@ def test_compiled_update_changes_the_tables_in_place():
                 jax.jit(proposer.update, donate_argnums=1).lower(None, pstate, ctx, committed).compile().as_text()):
         copies = [line for line in hlo.splitlines() if " copy(" in line and "copy(%constant" not in line]
         assert not [line for line in copies if any(t in line for t in tables)]
+
+
+# ------------------------------------------------------------------------------------------------ match-length array
+
+
+def trace_match(texts, prompt_lens, max_text_len, seed=0, width=K + 1):
+    """Build each row's index from its first prompt_lens[b] tokens, then append the rest in random pieces of
+    0 .. width tokens per step; yield (step, the number of tokens each row holds, the draft) after every step."""
+    rng = np.random.default_rng(seed)
+    batch = len(texts)
+    history, _ = padded([t[:n] for t, n in zip(texts, prompt_lens)], max(max(prompt_lens), 1))
+    index = jax.jit(sm.build_batch, static_argnums=2)(history, jnp.asarray(prompt_lens, jnp.int32), max_text_len)
+    append, draft = jax.jit(sm.append_batch), jax.jit(functools.partial(sm.draft_batch, k=K))
+    held = np.asarray(prompt_lens)
+    step = 0
+    while True:
+        yield step, held, draft(index)
+        if all(h >= len(t) for h, t in zip(held, texts)):
+            return
+        num = np.minimum(rng.integers(0, width + 1, batch), [len(t) - h for t, h in zip(texts, held)])
+        pieces = np.zeros((batch, width), np.int32)
+        for b in range(batch):
+            pieces[b, : num[b]] = texts[b][held[b]: held[b] + num[b]]
+        index = append(index, jnp.asarray(pieces), jnp.asarray(num, jnp.int32))
+        held, step = held + num, step + 1
+
+
+def test_match_index_matches_brute_force_after_every_append():
+    """Built from prompts of 0 to 70 tokens (several build chunks), then grown a few tokens a step: each draft is
+    the brute-force longest earlier occurrence's continuation."""
+    rng = np.random.default_rng(1)
+    texts = random_texts(rng, 10, 160)
+    prompt_lens = [0, 1, 5, sm.BUILD_CHUNK, sm.BUILD_CHUNK + 1, 70, 3, 40, 2 * sm.BUILD_CHUNK, 9]
+    checked = 0
+    for step, held, (tokens, match_len, available) in trace_match(texts, prompt_lens, max_text_len=192):
+        for b, t in enumerate(texts):
+            assert got(tokens[b], match_len[b], available[b]) == ref_dynamic(t[: held[b]]), (step, b)
+            checked += ref_dynamic(t[: held[b]])[0] > 0
+    assert checked > 100  # most steps had a match to check, not only empty drafts
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_match_index_equals_the_automaton_hypothesis(data):
+    """The same (match_len, available, draft) as the automaton, whatever the text and however it is appended,
+    up to and past the capacity, where both stop drafting."""
+    alphabet = data.draw(st.sampled_from([[0, 1], [0, 1, 2], [3, 1, 4, 5, 9], [5, 49151, 20000, 77, 1]]))
+    texts = [data.draw(st.lists(st.sampled_from(alphabet), min_size=1, max_size=80)) for _ in range(3)]
+    prompt_lens = [data.draw(st.integers(0, len(t))) for t in texts]
+    cap = data.draw(st.sampled_from([40, 96]))
+    seed = data.draw(st.integers(0, 2**16))
+    history, _ = padded([t[:n] for t, n in zip(texts, prompt_lens)], max(max(prompt_lens), 1))
+    automaton = sa.build_dynamic_batch(history, jnp.asarray(prompt_lens, jnp.int32), cap)
+    previous = np.asarray(prompt_lens)
+    for _, held, (tokens, match_len, available) in trace_match(texts, prompt_lens, cap, seed=seed):
+        num = held - previous
+        pieces = np.zeros((len(texts), K + 1), np.int32)
+        for b, t in enumerate(texts):
+            pieces[b, : num[b]] = t[previous[b]: held[b]]
+        automaton = sa.extend_many_batch(automaton, jnp.asarray(pieces), jnp.asarray(num, jnp.int32))
+        previous = held
+        want = sa.dynamic_draft_batch(automaton, K)
+        for b in range(len(texts)):
+            assert got(tokens[b], match_len[b], available[b]) == got(*(np.asarray(w)[b] for w in want)), b
+            if held[b] > cap:
+                assert int(match_len[b]) == 0  # past the capacity: no drafts
+
+
+def test_match_index_under_vmap_and_jit_equals_batch_code():
+    """Researchers vmap one-row code: vmapping the batch functions over rows of one gives the batch result."""
+    rng = np.random.default_rng(3)
+    texts = random_texts(rng, 4, 50)
+    history, lengths = padded(texts, 50)
+    whole = sm.build_batch(history, lengths, 64)
+    one_row = jax.jit(jax.vmap(lambda h, n: jax.tree.map(lambda x: x[0], sm.build_batch(h[None], n[None], 64))))
+    rows = one_row(history, lengths)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(rows)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sam_index_choice_and_bad_values():
+    assert SamProposer(4, max_text_len=2048).uses_match_index  # "auto": on any device at 2048 tokens of text
+    # past MATCH_MAX_TEXT_LEN only off a CPU
+    assert SamProposer(4, max_text_len=8192).uses_match_index == (jax.default_backend() != "cpu")
+    assert SamProposer(4, max_text_len=8192, index="match").uses_match_index
+    assert not SamProposer(4, max_text_len=64, index="automaton").uses_match_index
+    with pytest.raises(ValueError, match="index='trie'"):
+        SamProposer(4, max_text_len=64, index="trie")
+    with pytest.raises(ValueError, match="sam_index='trie'"):
+        SpecConfig(method="sam", sam_index="trie")

@@ -68,3 +68,17 @@ def test_seeded_sampling_with_sam_mostly_reproduces_plain(smollm2, prompt_ids):
     same = sum(a == b for a, b in zip(out.token_ids, plain.token_ids))
     assert same >= 6, (same, out.token_ids, plain.token_ids)
     assert all(a[:8] == b[:8] for a, b in zip(out.token_ids, plain.token_ids))
+
+
+def test_both_sam_indexes_draft_the_same_tokens(smollm2, prompt_ids, plain):
+    """The match-length array and the suffix automaton find the same earlier occurrences on real text: equal
+    outputs, and equal drafted and accepted counts step for step."""
+    runs = {}
+    for index in ("match", "automaton"):
+        spec = SpecConfig(method="sam", num_speculative_tokens=8, min_match=2, sam_index=index)
+        runs[index] = jaxspec.generate(smollm2, prompt_ids[:4], max_new_tokens=NEW_TOKENS, spec=spec)
+    match, automaton = runs["match"], runs["automaton"]
+    assert match.token_ids == automaton.token_ids == plain[:4]
+    assert match.stats.drafted > 0 and match.stats.accepted > 0
+    for field in ("steps", "drafted", "accepted", "drafted_per_position", "accepted_per_position"):
+        assert getattr(match.stats, field) == getattr(automaton.stats, field), field
