@@ -31,6 +31,8 @@ CONFIGS = {
     "none": SpecConfig(),
     "sam narrowest width": SpecConfig(method="sam", cost_aware=False),
     "sam cost-aware": SpecConfig(method="sam", cost_aware=True),
+    # the same with the dynamic source's suffix automaton instead of the default index (same drafts, other costs)
+    "sam cost-aware automaton": SpecConfig(method="sam", cost_aware=True, sam_index="automaton"),
 }
 DEFAULT = SpecConfig(method="sam")
 
@@ -63,7 +65,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sam-widths", default="", help="more sam configurations at other verify widths, each "
                         "run by the narrowest-width rule: width sets separated by ';', e.g. '1,5,9,17;1,9'")
     args = parser.parse_args(argv)
-    configs = {name: spec for name, spec in CONFIGS.items() if name == "none" or name in args.configs.split(",")}
+    chosen = args.configs.split(",")
+    if unknown := set(chosen) - set(CONFIGS):
+        parser.error(f"--configs names {sorted(unknown)}; the configurations are {sorted(CONFIGS)}")
+    configs = {name: spec for name, spec in CONFIGS.items() if name == "none" or name in chosen}
     for text in filter(None, args.sam_widths.split(";")):
         widths = tuple(int(w) for w in text.split(","))
         configs[f"sam widths {widths}"] = SpecConfig(method="sam", cost_aware=False, verify_widths=widths)
@@ -88,12 +93,13 @@ def main(argv=None) -> int:
                 same = all([ids for ids, _ in r] == reference for r in runs)
                 spec = configs[name]
                 default = spec.method == "sam" and spec.cost_aware_at(size) == DEFAULT.cost_aware_at(size) \
-                    and spec.verify_widths == DEFAULT.verify_widths
+                    and spec.verify_widths == DEFAULT.verify_widths and spec.sam_index == DEFAULT.sam_index
                 rounds = " ".join(f"{r / n:.2f}" for r, n in zip(rates[name], rates["none"]))
                 rows.append((workload, size, name + (" (default)" if default else ""),
                              f"{statistics.median(rates[name]):.1f}", f"{statistics.median(rates[name]) / plain:.3f}",
                              rounds, tables.fmt(pooled_acceptance_length(s for _, s in runs[0])),
                              sum(s.steps for _, s in runs[0]), "yes" if same else "NO"))
+                print(" | ".join(map(str, rows[-1])), flush=True)  # as it goes: a run cut short keeps its rows
     print(tables.markdown(("workload", "batch", "config", "tokens/s", "vs none", "each round", "acceptance",
                            "loop steps", "same output"), rows))
     print("\nloop steps: forward passes of the decode loops (summed over the batches). A batch runs until its slowest "
