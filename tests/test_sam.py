@@ -402,12 +402,13 @@ def test_compiled_update_changes_the_tables_in_place():
 # ------------------------------------------------------------------------------------------------ match-length array
 
 
-def trace_match(texts, prompt_lens, max_text_len, seed=0, width=K + 1):
+def trace_match(texts, prompt_lens, max_text_len, seed=0, width=K + 1, history_width=96):
     """Build each row's index from its first prompt_lens[b] tokens, then append the rest in random pieces of
-    0 .. width tokens per step; yield (step, the number of tokens each row holds, the draft) after every step."""
+    0 .. width tokens per step; yield (step, the number of tokens each row holds, the draft) after every step.
+    (Fixed shapes: one compiled program per capacity, however long the texts.)"""
     rng = np.random.default_rng(seed)
     batch = len(texts)
-    history, _ = padded([t[:n] for t, n in zip(texts, prompt_lens)], max(max(prompt_lens), 1))
+    history, _ = padded([t[:n] for t, n in zip(texts, prompt_lens)], history_width)
     index = jax.jit(sm.build_batch, static_argnums=2)(history, jnp.asarray(prompt_lens, jnp.int32), max_text_len)
     append, draft = jax.jit(sm.append_batch), jax.jit(functools.partial(sm.draft_batch, k=K))
     held = np.asarray(prompt_lens)
@@ -438,6 +439,10 @@ def test_match_index_matches_brute_force_after_every_append():
     assert checked > 100  # most steps had a match to check, not only empty drafts
 
 
+_extend_many = jax.jit(sa.extend_many_batch)
+_automaton_draft = jax.jit(functools.partial(sa.dynamic_draft_batch, k=K))
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_match_index_equals_the_automaton_hypothesis(data):
@@ -448,17 +453,17 @@ def test_match_index_equals_the_automaton_hypothesis(data):
     prompt_lens = [data.draw(st.integers(0, len(t))) for t in texts]
     cap = data.draw(st.sampled_from([40, 96]))
     seed = data.draw(st.integers(0, 2**16))
-    history, _ = padded([t[:n] for t, n in zip(texts, prompt_lens)], max(max(prompt_lens), 1))
-    automaton = sa.build_dynamic_batch(history, jnp.asarray(prompt_lens, jnp.int32), cap)
+    history, _ = padded([t[:n] for t, n in zip(texts, prompt_lens)], 96)
+    automaton = jax.jit(sa.build_dynamic_batch, static_argnums=2)(history, jnp.asarray(prompt_lens, jnp.int32), cap)
     previous = np.asarray(prompt_lens)
     for _, held, (tokens, match_len, available) in trace_match(texts, prompt_lens, cap, seed=seed):
         num = held - previous
         pieces = np.zeros((len(texts), K + 1), np.int32)
         for b, t in enumerate(texts):
             pieces[b, : num[b]] = t[previous[b]: held[b]]
-        automaton = sa.extend_many_batch(automaton, jnp.asarray(pieces), jnp.asarray(num, jnp.int32))
+        automaton = _extend_many(automaton, jnp.asarray(pieces), jnp.asarray(num, jnp.int32))
         previous = held
-        want = sa.dynamic_draft_batch(automaton, K)
+        want = _automaton_draft(automaton)
         for b in range(len(texts)):
             assert got(tokens[b], match_len[b], available[b]) == got(*(np.asarray(w)[b] for w in want)), b
             if held[b] > cap:

@@ -8,6 +8,7 @@ from .ngram import NgramProposer
 from .prediction import PredictionProposer, PredictionState, with_prediction
 from .sam import SamProposer
 from .suffix_automaton import StaticSuffixAutomaton, SuffixAutomaton
+from .suffix_match import SuffixMatch
 
 __all__ = [
     "Committed",
@@ -24,6 +25,7 @@ __all__ = [
     "SamProposer",
     "StaticSuffixAutomaton",
     "SuffixAutomaton",
+    "SuffixMatch",
     "self_draft_model",
     "with_prediction",
 ]
