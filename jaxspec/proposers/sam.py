@@ -13,7 +13,7 @@ match-length array (`suffix_match`), O(T) work per token in a fixed number of ar
 array on accelerators, where each loop iteration is a kernel launch and a host round trip (the automaton's
 update cost an H100 2.3-2.9 ms a step, more than a plain decode step), and on a CPU up to
 `MATCH_MAX_TEXT_LEN` tokens of text, where it also ran faster: 0.03 against 0.27 ms per step for one row and
-0.15 against 0.56 ms for eight (T = 2048, 9 tokens a step; 0.43 against 0.71 ms for 32 rows). Past that its
+0.15 against 0.56 ms for eight (T = 2048, 7 tokens appended a step; 0.43 against 0.71 ms for 32 rows). Past that its
 O(T) comparisons cost more than the automaton's walks at eight rows (T = 16384: 3.4 against 0.9 ms).
 
 Each index keeps its own copy of the row's text (drafts are read from it), so `propose` and `update` never read
