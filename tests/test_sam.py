@@ -344,6 +344,8 @@ def test_sam_proposer_protocol(proposer):
         history[b] = texts[b]  # only history[:, :length] is visible to the proposer as text
     init, propose, update = (jax.jit(getattr(proposer, f)) for f in ("init", "propose", "update"))
     pstate = init(ssam, make_ctx(history, lengths, np.full(batch, k)))
+    if proposer.source != "static":  # "auto" at 60-120 tokens of text is the match-length array
+        assert isinstance(pstate.dynamic, sm.SuffixMatch if proposer.index != "automaton" else SuffixAutomaton)
     key = jax.random.key(0)
     for step in range(14):
         max_draft = np.array([k, 2, k, 0 if step % 4 == 3 else k])
@@ -492,3 +494,16 @@ def test_sam_index_choice_and_bad_values():
         SamProposer(4, max_text_len=64, index="trie")
     with pytest.raises(ValueError, match="sam_index='trie'"):
         SpecConfig(method="sam", sam_index="trie")
+
+
+@pytest.mark.parametrize("index", ["auto", "match", "automaton"])
+def test_spec_config_sam_index_reaches_the_proposer(tiny_lm, index):
+    """SpecConfig(sam_index=...) builds the proposer with that index, whose state is of the matching type."""
+    from jaxspec.methods import build_proposer
+
+    spec = SpecConfig(method="sam", sam_index=index)
+    proposer, _ = build_proposer(tiny_lm, spec, prompt_width=32, buffer_len=32, cache_len=64)
+    assert proposer.index == index
+    ctx = make_ctx(np.zeros((2, 64), np.int32), [3, 5], [4, 4])
+    state = jax.eval_shape(proposer.init, None, ctx)
+    assert isinstance(state.dynamic, SuffixAutomaton if index == "automaton" else sm.SuffixMatch)

@@ -9,18 +9,20 @@ Deterministic: `Draft.probs` is None. `Draft.match_len` is the matched suffix le
 
 The dynamic source has two indexes that draft the same tokens (`index`): the suffix automaton
 (`suffix_automaton`), amortised O(1) work per token in loops whose trip counts depend on the data, and the
-match-length array (`suffix_match`), O(T) work per token in a fixed number of array operations. "auto" takes the
+match-length array (`suffix_match`), O(L * T) work per step (L the most tokens a step commits) in a fixed
+number of array operations. "auto" takes the
 array on accelerators, where each loop iteration is a kernel launch and a host round trip (the automaton's
 update cost an H100 2.3-2.9 ms a step, more than a plain decode step), and on a CPU up to
 `MATCH_MAX_TEXT_LEN` tokens of text, where it also ran faster: 0.03 against 0.27 ms per step for one row and
-0.15 against 0.56 ms for eight (T = 2048, 7 tokens appended a step; 0.43 against 0.71 ms for 32 rows). Past that its
-O(T) comparisons cost more than the automaton's walks at eight rows (T = 16384: 3.4 against 0.9 ms).
+0.15 against 0.56 ms for eight (T = 2048, 7 tokens appended a step; 0.43 against 0.71 ms for 32
+rows). Past that its O(L * T) comparisons cost more than the automaton's walks at eight rows (T = 16384: 3.4
+against 0.9 ms).
 
 Each index keeps its own copy of the row's text (drafts are read from it), so `propose` and `update` never read
-`ctx.history`; `init` reads history[:, :history_len]. Memory per row for max_text_len T: 8 T bytes for the
-array; about (32 + 16 * S/T + 4) * T bytes for the automaton, with S = the power of two >= 6T (335 KB for T =
-2048). A row whose text outgrows T stops drafting from the dynamic source (with "both", the static source still
-drafts).
+`ctx.history`; `init` reads history[:, :history_len]. Memory per row for max_text_len T: 8 T bytes for the array
+(plus a temporary 4 L T per step); about (32 + 16 * S/T + 4) * T bytes for the automaton, with S = the power of
+two >= 6T (335 KB for T = 2048). A row whose text outgrows T stops drafting from the dynamic source (with
+"both", the static source still drafts).
 """
 
 from __future__ import annotations

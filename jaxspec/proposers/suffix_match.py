@@ -21,8 +21,10 @@ texts. Appending m tokens (text' = text + c, n' = n + m) is closed-form: for i <
 so one step compares an [L, B, T] block (L the most tokens a step commits) and takes one reduction over L.
 Building from a prompt appends it in chunks of `BUILD_CHUNK` tokens inside a `fori_loop` of static length.
 
-Cost against the automaton: O(L * T) per step instead of O(L), and 8 T bytes per row instead of about 165 T. The
-comparison block is what limits it: at T = 32k and L = 17 it is 0.5 M compares per row and step.
+Cost against the automaton: O(L * T) per step (L the block width, however many tokens a row appends) instead of
+amortised O(1) per token; state of 8 T bytes per row instead of about 165 T at T = 2048, plus the step's
+temporary [L, B, T] block (4 L T bytes per row; 128 T while building, in chunks of 32). The comparison block is
+what limits it: at T = 32k and L = 17 it is 0.5 M compares per row and step.
 """
 
 from __future__ import annotations
@@ -70,12 +72,13 @@ def append_batch(index: SuffixMatch, tokens: jax.Array, num: jax.Array) -> Suffi
         tokens.astype(jnp.int32), mode="drop")
     n_new = n + m
     tail = jnp.take_along_axis(text, jnp.clip(n_new[:, None] - 1 - j, 0, cap - 1), axis=1)  # [B, L]  from the end
-    # shifted[j, b, i] = text[b, i - j] (-1 before the start, which matches no token)
-    padded = jnp.pad(text, ((0, 0), (width, 0)), constant_values=-1)
+    # shifted[j, b, i] = text[b, i - j]; before the start (i < j) nothing agrees, whatever the padding holds
+    padded = jnp.pad(text, ((0, 0), (width, 0)))
     shifted = jnp.stack([padded[:, width - k:width - k + cap] for k in range(width)])  # [L, B, T]
-    agree = (shifted == tail.T[:, :, None]) | (j[:, None, None] >= m[None, :, None])  # [L, B, T]  past m: no limit
-    first_miss = jnp.where(jnp.all(agree, axis=0), width, jnp.argmin(agree, axis=0))  # [B, T]
     pos = jnp.arange(cap, dtype=jnp.int32)
+    agree = (shifted == tail.T[:, :, None]) & (pos[None, None] >= j[:, None, None])
+    agree |= j[:, None, None] >= m[None, :, None]  # [L, B, T]  past a row's m tokens: no limit
+    first_miss = jnp.where(jnp.all(agree, axis=0), width, jnp.argmin(agree, axis=0))  # [B, T]
     before = jnp.take_along_axis(run, jnp.clip(pos[None] - m[:, None], 0, cap - 1), axis=1)  # run[i - m]
     before = jnp.where(pos[None] >= m[:, None], before, 0)
     run = jnp.where(first_miss >= width, m[:, None] + before, first_miss)
@@ -88,7 +91,7 @@ def build_batch(history: jax.Array, length: jax.Array, max_text_len: int) -> Suf
     batch, width = history.shape
     chunks = -(-width // BUILD_CHUNK)
     history = jnp.pad(history.astype(jnp.int32), ((0, 0), (0, chunks * BUILD_CHUNK - width)))
-    length = length.astype(jnp.int32)
+    length = jnp.clip(length.astype(jnp.int32), 0, width)
 
     def body(c, index):
         piece = jax.lax.dynamic_slice_in_dim(history, c * BUILD_CHUNK, BUILD_CHUNK, axis=1)
@@ -99,7 +102,8 @@ def build_batch(history: jax.Array, length: jax.Array, max_text_len: int) -> Suf
 
 def draft_batch(index: SuffixMatch, k: int):
     """(tokens i32[B, k], match_len i32[B], available i32[B]): the k tokens after the first occurrence of the
-    longest suffix that also ends earlier; `available` of them are real (the rest repeat the text's last token)."""
+    longest suffix that also ends earlier; `available` of them are real (the rest are whatever the buffer holds
+    past the text: zeros)."""
     best = jnp.max(index.run, axis=1)
     end = jnp.argmax(index.run, axis=1).astype(jnp.int32)  # the first position attaining it
     matched = (best > 0) & ~index.full
