@@ -11,7 +11,7 @@ import dataclasses
 import math
 import numbers
 import os
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Sequence, get_args
 
 import flax.struct
 import jax
@@ -211,6 +211,7 @@ class SamplingParams:
 
 SamSource = Literal["dynamic", "static", "both"]
 SamIndex = Literal["auto", "match", "automaton"]
+SAM_INDEXES = get_args(SamIndex)
 
 
 def _short_repr(value, limit: int = 160) -> str:
@@ -361,8 +362,8 @@ class SpecConfig:
             raise ValueError(f"ngram_max={self.ngram_max!r} must be >= min_match={self.min_match!r}")
         if self.sam_source not in ("dynamic", "static", "both"):
             raise ValueError(f"sam_source={self.sam_source!r} must be 'dynamic', 'static' or 'both'")
-        if self.sam_index not in ("auto", "match", "automaton"):
-            raise ValueError(f"sam_index={self.sam_index!r} must be 'auto', 'match' or 'automaton'")
+        if self.sam_index not in SAM_INDEXES:
+            raise ValueError(f"sam_index={self.sam_index!r} must be one of {SAM_INDEXES}")
         if self.sam_source != "dynamic" and self.method == "sam" and self.static_sam is None:
             raise ValueError(f"sam_source={self.sam_source!r} needs static_sam (a StaticSuffixAutomaton)")
         if self.method == "draft_model" and self.draft_model is None:

@@ -10,9 +10,9 @@ Deterministic: `Draft.probs` is None. `Draft.match_len` is the matched suffix le
 The dynamic source has two indexes that draft the same tokens (`index`): the suffix automaton
 (`suffix_automaton`), amortised O(1) work per token in loops whose trip counts depend on the data, and the
 match-length array (`suffix_match`), O(L * T) work per step (L the most tokens a step commits) in a fixed
-number of array operations. "auto" takes the
-array on accelerators, where each loop iteration is a kernel launch and a host round trip (the automaton's
-update cost an H100 2.3-2.9 ms a step, more than a plain decode step), and on a CPU up to
+number of array operations. "auto" takes the array on accelerators, where each loop iteration is a kernel
+launch and a host round trip (the automaton's update cost an H100 2.3-2.9 ms a step, more than a plain decode
+step), and on a CPU up to
 `MATCH_MAX_TEXT_LEN` tokens of text, where it also ran faster: 0.03 against 0.27 ms per step for one row and
 0.15 against 0.56 ms for eight (T = 2048, 7 tokens appended a step; 0.43 against 0.71 ms for 32
 rows). Past that its O(L * T) comparisons cost more than the automaton's walks at eight rows (T = 16384: 3.4
@@ -33,6 +33,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from ..config import SAM_INDEXES
 from . import suffix_automaton as sam_lib
 from . import suffix_match
 from .base import ChainProposer, Committed, Context, Draft, lookup_draft_count
@@ -66,8 +67,8 @@ class SamProposer(ChainProposer):
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be >= 1")
         if self.max_text_len < 1:
             raise ValueError(f"max_text_len={self.max_text_len!r} must be >= 1")
-        if self.index not in ("auto", "match", "automaton"):
-            raise ValueError(f"index={self.index!r} must be 'auto', 'match' or 'automaton'")
+        if self.index not in SAM_INDEXES:
+            raise ValueError(f"index={self.index!r} must be one of {SAM_INDEXES}")
 
     @property
     def uses_match_index(self) -> bool:

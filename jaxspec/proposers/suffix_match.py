@@ -3,9 +3,9 @@
 The dynamic suffix automaton (`suffix_automaton`) finds it in amortised O(1) work per token, but its extension
 walks suffix links in `lax.while_loop`s whose trip counts depend on the data. On a GPU every iteration of such a
 loop is a kernel launch and a copy of its condition to the host, and extending by the tokens one step commits
-cost 2.3-2.9 ms on an H100, more than a whole decode step of the default model there. This index does O(T) work
-per appended token instead, with no loop at all: a fixed number of array operations per step, which a GPU runs
-in a few launches and XLA:CPU in a few vectorised loops.
+cost 2.3-2.9 ms on an H100, more than a whole decode step of the default model there. This index does O(L T)
+work per step instead (L the most tokens a step appends), with no loop at all: a fixed number of array
+operations, which a GPU runs in a few launches and XLA:CPU in a few vectorised loops.
 
 State per row (a batch has a leading axis B on every field):
   text  i32[T]  the row's text (drafts are read from it)
@@ -44,10 +44,6 @@ class SuffixMatch:
     run: jax.Array  # i32[B, T]
     text_len: jax.Array  # i32[B]
     full: jax.Array  # bool[B]
-
-    @property
-    def max_text_len(self) -> int:
-        return self.text.shape[-1]
 
     @classmethod
     def create(cls, batch: int, max_text_len: int) -> "SuffixMatch":
