@@ -277,7 +277,9 @@ class SpecConfig:
     # automaton extended token by token in data-dependent loops), "match" (a match-length array updated by
     # comparing, a fixed number of array operations per step), or "auto": "match" on accelerators, where each
     # loop iteration is a kernel launch, and on a CPU up to 4096 tokens of text (jaxspec.proposers.sam). Both
-    # draft the same tokens.
+    # draft the same tokens. For group_sam: "match" searches the group's texts by comparison, suffixes up to 32
+    # tokens long; "auto" takes it unless a rollout's group_capacity bounds an automaton
+    # (jaxspec.proposers.group_sam).
     sam_index: SamIndex = "auto"
     # Widths (new tokens per row) the verify forward may take; each step runs the narrowest one that holds
     # the longest draft in the batch, so a step where no row drafts costs one plain decode step (unless the

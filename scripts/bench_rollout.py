@@ -12,6 +12,8 @@ after a warm-up that compiles everything:
 * sam        rollout, each row drafting from its own text (suffix automaton);
 * group_sam  rollout, each row drafting from every sample of its prompt;
 * group_sam+refs  the same with an earlier rollout (another seed) of each prompt as references.
+A speculative method may name its index after "@" (`SpecConfig.sam_index`): group_sam@automaton,
+group_sam@match, sam@automaton; without one it takes the default ("auto").
 
 The speculation runs use the policy `--speculation` names: by default adaptive (speculate where the measured
 verify cost of the current batch is repaid by the measured acceptance); "always" measures drafting quality.
@@ -23,6 +25,7 @@ or anywhere in its group, predicts. A plot shows active rows and committed token
 
     python scripts/bench_rollout.py                                   # 16 x 8, 256 tokens, T = 0.7 and 1.0
     python scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 128 --temperatures 0.7 --repeats 1
+    python scripts/bench_rollout.py --methods none,group_sam@automaton,group_sam@match --speculation always
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import jaxspec
 from benchkit import machine, output, plots, tables, workloads
 from benchkit.timing import interleave
 from jaxspec import SamplingParams, SpecConfig
+from jaxspec.config import SAM_INDEXES
 
 METHODS = ("generate", "none", "none-unshared", "sam", "group_sam", "group_sam+refs")
 CONTEXT = 4  # tokens of context behind a predicted next token, for the ceiling
@@ -77,12 +81,13 @@ def run(lm, method: str, prompts, common: dict, every, generate_sampling, earlie
         res = jaxspec.generate(lm, every, max_new_tokens=common["max_new_tokens"], sampling=generate_sampling)
         print(f"  generate: {res.stats.prefill_s + res.stats.decode_s:.1f} s", flush=True)
         return res
-    spec = None if method.startswith("none") else SpecConfig(method=method.split("+")[0])
-    refs = earlier if method.endswith("+refs") else None
+    name, _, index = method.partition("@")
+    spec = None if name.startswith("none") else SpecConfig(method=name.split("+")[0], sam_index=index or "auto")
+    refs = earlier if name.endswith("+refs") else None
     if spec is None:
         common = common | {"speculation": "off"}
     res = jaxspec.rollout(lm, prompts, spec=spec, references=refs, logprobs=False,
-                          shared_prefill=method != "none-unshared", **common)
+                          shared_prefill=name != "none-unshared", **common)
     s = res.stats
     print(f"  {method}: wall {s.wall_s:.1f} s, prefill {s.prefill_s:.2f} s, tail {s.tail_s:.1f} s, acceptance "
           f"{s.mean_acceptance_length:.3f} (tail {s.tail_mean_acceptance_length:.3f}), caps "
@@ -107,6 +112,12 @@ def main(argv=None) -> int:
     lm = jaxspec.load_model()
     prompts = workloads.held_out_prompts(lm.tokenizer, args.prompts)
     methods = args.methods.split(",")
+    for m in methods:
+        name, _, index = m.partition("@")
+        if name not in METHODS or (index and (name in ("generate",) or name.startswith("none")
+                                              or index not in SAM_INDEXES)):
+            parser.error(f"--methods: {m!r} is not one of {METHODS}, with @ one of {SAM_INDEXES} for a "
+                         "speculative one")
     info = machine.info()
     header = (f"{machine.line(info)}\n{len(prompts)} held-out HumanEval prompts x {args.samples} samples, up to "
               f"{args.new_tokens} new tokens, top-p 1, speculation {args.speculation}, {args.repeats} timed "

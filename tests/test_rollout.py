@@ -17,6 +17,8 @@ from flax import nnx
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.decode import decode_chunk, prefill
+from jaxspec.proposers.group_automaton import GroupAutomaton
+from jaxspec.proposers.group_match import GroupMatch
 from jaxspec.rollouts import TailPolicy, batch_buckets, sample_seeds
 from jaxspec.rollouts import inputs as rollout_inputs
 from jaxspec.rollouts.policy import DraftingOverhead, overhead_for
@@ -47,8 +49,8 @@ def peaked_lm(tiny_lm):
                                  params=params, tokenizer=None)
 
 
-def _run(lm, method, **kw):
-    spec = None if method == "none" else SpecConfig(method=method)
+def _run(lm, method, sam_index="auto", **kw):
+    spec = None if method == "none" else SpecConfig(method=method, sam_index=sam_index)
     kw.setdefault("sampling", MIXED)
     kw.setdefault("speculation", "always")
     kw.setdefault("stop_token_ids", STOP)
@@ -88,6 +90,15 @@ def test_group_sam_reproduces_the_plain_rollout_token_for_token(plain, grouped):
     assert s.steps < plain.stats.steps
     assert s.mean_acceptance_length > 1.0
     assert plain.stats.drafted == 0 and plain.stats.mean_acceptance_length == pytest.approx(1.0)
+
+
+def test_group_sam_with_the_automaton_index_reproduces_the_plain_rollout(peaked_lm, plain, grouped):
+    """The suffix-automaton index (the default takes the texts index) drafts and keeps the plain tokens; it
+    never finds a longer match than the texts index, so it does not accept more."""
+    automaton = _run(peaked_lm, "group_sam", sam_index="automaton")
+    assert automaton.token_ids == plain.token_ids
+    assert automaton.stats.drafted > 0 and automaton.stats.accepted > 0
+    assert automaton.stats.accepted <= grouped.stats.accepted
 
 
 def test_rollout_equals_generate_with_the_sample_seeds(peaked_lm, plain):
@@ -167,10 +178,11 @@ def test_new_params_run_without_recompiling(peaked_lm):
     assert outs[0].token_ids != first.token_ids or outs[1].token_ids != first.token_ids, "params were not used"
 
 
-def test_automata_catch_up_when_speculation_turns_on(peaked_lm, plain, monkeypatch):
-    """Chunks that do not speculate leave the group automata alone (`GroupSamProposer.idle`); when the
+@pytest.mark.parametrize("index", ["match", "automaton"])
+def test_automata_catch_up_when_speculation_turns_on(peaked_lm, plain, monkeypatch, index):
+    """Chunks that do not speculate leave the group indexes alone (`GroupSamProposer.idle`); when the
     policy turns speculation on, every sample's string catches up, samples that finished meanwhile included,
-    so each string ends as its sample's whole text and the tokens are the plain rollout's."""
+    so each string ends as its sample's whole text and the tokens are the plain rollout's. Both indexes."""
     from jaxspec.rollouts import run as rollout_run
 
     calls = {"finished_at_catch_up": []}
@@ -191,12 +203,13 @@ def test_automata_catch_up_when_speculation_turns_on(peaked_lm, plain, monkeypat
     monkeypatch.setattr(TailPolicy, "choose", choose)
     monkeypatch.setattr(rollout_run._Rollout, "_catch_up", spy_catch_up)
     monkeypatch.setattr(rollout_run._Rollout, "_collect", spy_collect)
-    res = _run(peaked_lm, "group_sam", speculation="adaptive")
+    res = _run(peaked_lm, "group_sam", sam_index=index, speculation="adaptive")
     assert res.token_ids == plain.token_ids
     assert res.stats.drafted > 0 and res.stats.accepted > 0
     assert len(calls["finished_at_catch_up"]) == 1, "one catch-up, when drafting began"
     assert calls["finished_at_catch_up"][0] > 0, "samples finished and left the batch before it"
     automata = calls["state"].pstate.automata.value
+    assert isinstance(automata, GroupMatch if index == "match" else GroupAutomaton)
     texts, text_len = np.asarray(automata.texts), np.asarray(automata.text_len)
     for p, prompt in enumerate(PROMPTS):
         for g in range(G):
@@ -218,7 +231,7 @@ def test_a_full_group_automaton_stops_drafting_not_decoding(peaked_lm, plain):
 
 
 def test_memory_bound_names_the_setting(peaked_lm, monkeypatch):
-    monkeypatch.setattr(rollout_inputs, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(rollout_inputs, "available_memory", lambda: 1 << 14)
     with pytest.raises(ValueError, match="num_samples"):
         _run(peaked_lm, "group_sam")
 
@@ -237,6 +250,7 @@ def test_memory_bound_names_the_setting(peaked_lm, monkeypatch):
     (dict(seed=-1), "seed"),
     (dict(group_capacity=0), "group_capacity"),
     (dict(spec=None, group_capacity=64), "group_capacity"),
+    (dict(spec=SpecConfig(method="group_sam", sam_index="match"), group_capacity=64), "group_capacity=64"),
 ])
 def test_bad_input_names_the_value(peaked_lm, kwargs, match):
     args = dict(prompts=PROMPTS, num_samples=G, max_new_tokens=8, sampling=SamplingParams(),

@@ -1,12 +1,19 @@
-"""Grouped suffix-automaton drafting (`SpecConfig(method="group_sam")`): a row drafts from its whole group.
+"""Grouped suffix drafting (`SpecConfig(method="group_sam")`): a row drafts from its whole group.
 
 An RL rollout samples G completions of each prompt, and the G samples of one prompt resemble each other far
 more than any corpus does: where one sample writes what a sibling wrote before, the sibling's continuation is
-a good draft. One generalized suffix automaton per group (`group_automaton.GroupAutomaton`) holds the prompt,
-every sample's committed tokens (each sample extends its own string as it commits, so siblings are visible
-while they are being written) and optional reference completions of the prompt (an earlier rollout's
-samples). A row drafts what followed an occurrence, anywhere in its group, of the longest suffix of its own
-text that has a continuation.
+a good draft. Each group's index holds the prompt, every sample's committed tokens (each sample extends its
+own string as it commits, so siblings are visible while they are being written) and optional reference
+completions of the prompt (an earlier rollout's samples). A row drafts what followed an occurrence, anywhere
+in its group, of the longest suffix of its own text that has a continuation.
+
+Two indexes (`index`): the group's texts searched by comparison (`group_match.GroupMatch`: one scatter to
+append, a fixed number of array operations to draft, suffixes compared up to `max_match` tokens) and a
+generalized suffix automaton (`group_automaton.GroupAutomaton`: amortised O(1) per token, in loops whose trip
+counts depend on the data, siblings taking turns). "auto" takes the texts, unless `max_tokens` bounds the
+automaton. On a GPU each automaton loop iteration is a kernel launch; on this project's 2-core CPU the texts
+also cost less a step at 8 and 32 rows (0.7 against 1.6 ms, 2.3 against 2.8) and about twice as much at 128
+(9 against 4 ms, where a plain step of the default model takes seconds): docs/BENCHMARKS.md.
 
 Layout. Rows p * G .. p * G + G - 1 of the batch `init` sees form group p: the layout `prefill(group_size=G)`
 produces. Each row keeps its (group, string) indices as per-row state, and the groups' automata are
@@ -27,7 +34,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from ..config import SAM_INDEXES
 from . import group_automaton as ga_lib
+from . import group_match as gm_lib
 from .base import BatchShared, ChainProposer, Committed, Context, Draft, lookup_draft_count
 
 
@@ -43,7 +52,7 @@ class GroupReferences:
 class GroupSamState:
     group: jax.Array  # i32[B]  the row's group (its prompt)
     string: jax.Array  # i32[B]  the row's own string in its group's automaton (its sample index)
-    automata: BatchShared  # GroupAutomaton of every group, leading axis P (not B)
+    automata: BatchShared  # GroupMatch or GroupAutomaton of every group, leading axis P (not B)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +66,10 @@ class GroupSamProposer(ChainProposer):
     min_match: int = 2  # propose nothing below this matched suffix length
     draft_per_match: float | None = None  # at most ceil(draft_per_match * match_len) drafts
     max_tokens: int | None = None  # tokens one group's automaton holds; None: all it can ever be given
-    # True: draft nothing and leave the automata as they are; the owner calls `catch_up` before drafting
-    # again. For a rollout chunk that does not speculate: appending every committed token costs G passes a
+    index: str = "auto"  # "match" | "automaton" | "auto" (see the module docstring)
+    max_match: int = gm_lib.MAX_MATCH  # the "match" index compares suffixes up to this length
+    # True: draft nothing and leave the index as it is; the owner calls `catch_up` before drafting again.
+    # For a rollout chunk that does not speculate: the automaton appends every committed token in G passes a
     # step (siblings take turns), about 4% of a plain step at 32 rows on XLA:CPU, for drafts nobody reads.
     idle: bool = False
 
@@ -68,22 +79,37 @@ class GroupSamProposer(ChainProposer):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be None or >= 1")
+        if self.index not in SAM_INDEXES:
+            raise ValueError(f"index={self.index!r} must be one of {SAM_INDEXES}")
+        if self.max_tokens is not None and self.index == "match":
+            raise ValueError(f"max_tokens={self.max_tokens} bounds the automaton index; index='match' holds every "
+                             "text whole")
+        if self.max_match < 1:
+            raise ValueError(f"max_match={self.max_match!r} must be >= 1")
+
+    @property
+    def uses_match_index(self) -> bool:
+        """Whether each group's index is its texts, searched by comparison (else a suffix automaton)."""
+        if self.index != "auto":
+            return self.index == "match"
+        return self.max_tokens is None
 
     def capacity(self, num_references: int = 0, reference_len: int = 0) -> int:
         """Tokens one group's automaton must hold for everything: the prompt, every sample's output, the
-        references (or `max_tokens` when set)."""
+        references (or `max_tokens` when set). The texts index holds them all by construction."""
         if self.max_tokens is not None:
             return self.max_tokens
         return self.prompt_width + self.group_size * self.buffer_len + num_references * reference_len
 
-    def automaton_bytes(self, num_references: int = 0, reference_len: int = 0) -> int:
-        """Device bytes of one group's automaton (`GroupAutomaton.create`'s tables)."""
-        return ga_lib.GroupAutomaton.nbytes(self.group_size + num_references,
-                                            self.prompt_width + max(self.buffer_len, reference_len),
-                                            max_tokens=self.capacity(num_references, reference_len))
+    def index_bytes(self, num_references: int = 0, reference_len: int = 0) -> int:
+        """Device bytes of one group's index (`GroupMatch.create`'s or `GroupAutomaton.create`'s tables)."""
+        strings, width = self.group_size + num_references, self.prompt_width + max(self.buffer_len, reference_len)
+        if self.uses_match_index:
+            return gm_lib.GroupMatch.nbytes(strings, width)
+        return ga_lib.GroupAutomaton.nbytes(strings, width, max_tokens=self.capacity(num_references, reference_len))
 
     def init(self, params: GroupReferences | None, ctx: Context) -> GroupSamState:
-        """Each group's automaton: its prompt once, the references, then each row's first token."""
+        """Each group's index: its prompt once, the references, then each row's first token."""
         batch = ctx.history.shape[0]
         g = self.group_size
         if batch % g:
@@ -92,21 +118,23 @@ class GroupSamProposer(ChainProposer):
         num_refs, ref_len = (0, 0) if params is None else params.tokens.shape[1:]
         if params is not None and params.tokens.shape[0] != num_groups:
             raise ValueError(f"references for {params.tokens.shape[0]} prompts; the batch has {num_groups} groups")
-        automata = ga_lib.GroupAutomaton.create(num_groups, g + num_refs,
-                                                self.prompt_width + max(self.buffer_len, ref_len),
-                                                max_tokens=self.capacity(num_refs, ref_len))
+        width = self.prompt_width + max(self.buffer_len, ref_len)
+        if self.uses_match_index:
+            lib, automata = gm_lib, gm_lib.GroupMatch.create(num_groups, g + num_refs, width)
+        else:
+            lib, automata = ga_lib, ga_lib.GroupAutomaton.create(num_groups, g + num_refs, width,
+                                                                 max_tokens=self.capacity(num_refs, ref_len))
         leaders = slice(None, None, g)  # row p * G, the group's first sample: its prompt is the group's
         # At init each row holds its prompt and the first token prefill sampled.
-        automata = ga_lib.start(automata, ctx.history[leaders].astype(jnp.int32),
-                                (ctx.history_len[leaders] - 1).astype(jnp.int32))
+        automata = lib.start(automata, ctx.history[leaders].astype(jnp.int32),
+                             (ctx.history_len[leaders] - 1).astype(jnp.int32))
         for j in range(num_refs):
-            automata = ga_lib.extend_groups(automata, jnp.full((num_groups,), g + j, jnp.int32),
-                                            params.tokens[:, j].astype(jnp.int32),
-                                            params.lengths[:, j].astype(jnp.int32))
+            automata = lib.extend_groups(automata, jnp.full((num_groups,), g + j, jnp.int32),
+                                         params.tokens[:, j].astype(jnp.int32), params.lengths[:, j].astype(jnp.int32))
         rows = jnp.arange(batch, dtype=jnp.int32)
         group, string = rows // g, rows % g
         first = jnp.take_along_axis(ctx.history, (ctx.history_len - 1)[:, None], axis=1).astype(jnp.int32)
-        automata = ga_lib.extend_rows(automata, group, string, first, jnp.ones((batch,), jnp.int32))
+        automata = lib.extend_rows(automata, group, string, first, jnp.ones((batch,), jnp.int32))
         return GroupSamState(group=group, string=string, automata=BatchShared(automata))
 
     def propose(self, params, pstate: GroupSamState, ctx: Context, keys: jax.Array) -> tuple[Draft, GroupSamState]:
@@ -116,7 +144,11 @@ class GroupSamProposer(ChainProposer):
             batch = ctx.history.shape[0]
             none = jnp.zeros((batch,), jnp.int32)
             return Draft(tokens=jnp.zeros((batch, k), jnp.int32), num_draft=none, probs=None, match_len=none), pstate
-        tokens, match_len, available = ga_lib.draft_rows(pstate.automata.value, pstate.group, pstate.string, k)
+        index = pstate.automata.value
+        if isinstance(index, gm_lib.GroupMatch):
+            tokens, match_len, available = gm_lib.draft_rows(index, pstate.group, pstate.string, k, self.max_match)
+        else:
+            tokens, match_len, available = ga_lib.draft_rows(index, pstate.group, pstate.string, k)
         num_draft = lookup_draft_count(match_len, available, ctx.max_draft, k, self.min_match, self.draft_per_match)
         tokens = jnp.where(jnp.arange(k) < num_draft[:, None], tokens, 0).astype(jnp.int32)
         return Draft(tokens=tokens, num_draft=num_draft, probs=None, match_len=match_len.astype(jnp.int32)), pstate
@@ -126,19 +158,23 @@ class GroupSamProposer(ChainProposer):
         nothing when the proposer is `idle`."""
         if self.idle:
             return pstate
-        automata = ga_lib.extend_rows(pstate.automata.value, pstate.group, pstate.string,
-                                      committed.tokens.astype(jnp.int32), committed.num.astype(jnp.int32))
+        index = pstate.automata.value
+        extend = gm_lib.extend_rows if isinstance(index, gm_lib.GroupMatch) else ga_lib.extend_rows
+        automata = extend(index, pstate.group, pstate.string, committed.tokens.astype(jnp.int32),
+                          committed.num.astype(jnp.int32))
         return pstate.replace(automata=BatchShared(automata))
 
     def catch_up(self, pstate: GroupSamState, texts: jax.Array, lengths: jax.Array) -> GroupSamState:
         """Every sample's string brought up to its text: texts i32[P * G, H] (sample p * G + g: prompt p's g-th,
         whatever batch row holds it, or none does any more), lengths i32[P * G]. What a string already holds
-        is not appended again (`group_automaton.catch_up`)."""
+        is not appended again (`group_automaton.catch_up`, `group_match.catch_up`)."""
         automata = pstate.automata.value
-        num_groups = automata.num_states.shape[0]
+        num_groups = automata.texts.shape[0]
         texts = jnp.asarray(texts, jnp.int32).reshape(num_groups, self.group_size, -1)
         lengths = jnp.asarray(lengths, jnp.int32).reshape(num_groups, self.group_size)
-        return pstate.replace(automata=BatchShared(_catch_up(automata, texts, lengths)))
+        catch_up = _match_catch_up if isinstance(automata, gm_lib.GroupMatch) else _automaton_catch_up
+        return pstate.replace(automata=BatchShared(catch_up(automata, texts, lengths)))
 
 
-_catch_up = jax.jit(ga_lib.catch_up, donate_argnums=0)
+_automaton_catch_up = jax.jit(ga_lib.catch_up, donate_argnums=0)
+_match_catch_up = jax.jit(gm_lib.catch_up, donate_argnums=0)

@@ -193,18 +193,18 @@ def available_memory() -> int:
 
 
 def check_memory(lm: LanguageModel, inputs: RolloutInputs, *, cache_len: int, history_len: int,
-                 automaton_bytes: int) -> None:
-    """ValueError naming the settings when the rollout's rows (KV cache, history, log-probabilities) and group
-    automata would not fit twice in memory (compaction copies the batch once)."""
+                 index_bytes: int) -> None:
+    """ValueError naming the settings when the rollout's rows (KV cache, history, log-probabilities) and
+    group_sam's group indexes would not fit twice in memory (compaction copies the batch once)."""
     cfg = lm.config
     dtype_bytes = jax.tree.leaves(lm.params)[0].dtype.itemsize
     kv = inputs.num_rows * cfg.num_layers * 2 * cfg.num_kv_heads * cache_len * cfg.head_dim * dtype_bytes
     rows = inputs.num_rows * history_len * (4 + 1 + (4 if inputs.logprobs else 0))
-    need, have = 2 * (kv + rows + automaton_bytes), available_memory()
+    need, have = 2 * (kv + rows + index_bytes), available_memory()
     if need > have:
         gib = 1 << 30
         raise ValueError(
             f"num_samples={inputs.num_samples} x {inputs.num_prompts} prompts with max_new_tokens="
             f"{inputs.max_new_tokens} needs about {need / gib:.2f} GiB (KV cache {kv / gib:.2f} GiB, group "
-            f"automata {automaton_bytes / gib:.2f} GiB, twice over for compaction) but {have / gib:.2f} GiB is "
+            f"indexes {index_bytes / gib:.2f} GiB, twice over for compaction) but {have / gib:.2f} GiB is "
             "available: lower num_samples, the number of prompts, max_new_tokens or group_capacity")

@@ -76,7 +76,8 @@ def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int
     under the target's raw softmax ("raw"). compaction: move the running samples to smaller compiled batches
     as others finish. speculation: "adaptive" (draft where the measured cost pays, `TailPolicy`), "always"
     or "off". chunk_steps: decode steps between host visits. group_capacity (group_sam): the most tokens one
-    group's automaton holds (default: all of them); a full automaton stops drafting, decoding goes on.
+    group's index holds (default: all of them), given, the index is a suffix automaton (`spec.sam_index`
+    "auto" or "automaton"); a full automaton stops drafting, decoding goes on.
     shared_prefill: run each prompt through the target once for its G samples (False: once per sample, to
     measure what sharing saves). prompt_offset: these prompts are prompts prompt_offset.. of a larger rollout
     (one process's share, `jaxspec.distributed.rollout_data_parallel`): their samples take those prompts' seeds.
@@ -98,6 +99,9 @@ def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int
         if inputs.spec.method != "group_sam":
             raise ValueError(f"group_capacity={group_capacity} sizes method='group_sam' automata; spec.method="
                              f"{inputs.spec.method!r}")
+        if inputs.spec.sam_index == "match":
+            raise ValueError(f"group_capacity={group_capacity} sizes group automata; spec.sam_index='match' "
+                             "holds every text whole (leave group_capacity None, or use sam_index='automaton')")
     attention_impl = attention_impl or default_attention_impl()
     if attention_impl not in ("xla", "pallas"):
         raise ValueError(f"attention_impl={attention_impl!r} must be None, 'xla' or 'pallas'")
@@ -127,13 +131,13 @@ class _Rollout:
         if lm.mesh is not None:  # updated policy weights go where lm's own parameters are
             self.params = jax.device_put(inputs.params, jax.tree.map(lambda x: x.sharding, lm.params))
             self.proposer_params = sharding.replicate(self.proposer_params, lm.mesh)
-        automaton_bytes = 0
+        index_bytes = 0
         if isinstance(self.proposer, GroupSamProposer):
             if group_capacity is not None:
                 self.proposer = dataclasses.replace(self.proposer, max_tokens=group_capacity)
             refs = inputs.references
             num_refs, ref_len = (0, 0) if refs is None else refs.tokens.shape[1:]
-            automaton_bytes = inputs.num_prompts * self.proposer.automaton_bytes(num_refs, ref_len)
+            index_bytes = inputs.num_prompts * self.proposer.index_bytes(num_refs, ref_len)
         # The proposer of chunks that do not speculate: it drafts nothing and leaves the group automata as they
         # are; they catch up from the samples' texts before a chunk drafts again (`GroupSamProposer.idle`), so
         # a rollout whose policy never speculates (T = 1.0 at large batches) pays for them only at prefill.
@@ -142,7 +146,7 @@ class _Rollout:
             self.idle_proposer = dataclasses.replace(self.proposer, idle=True)
         self.behind = False  # chunks ran with idle_proposer since the automata last caught up
         check_memory(lm, inputs, cache_len=self.cache_len, history_len=self.width + self.buffer_len,
-                     automaton_bytes=automaton_bytes)
+                     index_bytes=index_bytes)
         self.widths = spec.verify_widths
         sharding.check_batch(lm.mesh, lm.rules, inputs.num_rows)
         data = sharding.axis_size(lm.mesh, lm.rules.batch if lm.rules else None)
