@@ -98,6 +98,11 @@ def pytest_configure(config):
     # would depend on the machine's load. tests/test_cost.py and tests/test_rollout.py measure in a folder of
     # their own.
     os.environ.setdefault("JAXSPEC_VERIFY_COST", "off")
-    # Compiled programs are reused across test runs on the same machine (the real model compiles slowly).
-    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    # Compiled programs are reused across test runs on the same machine (the real model compiles slowly). The
+    # environment carries the setting to the python subprocesses tests start (tests/test_distributed.py,
+    # tests/test_spmd.py, ...): jax reads it when it starts, and without it they compiled every program anew.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
