@@ -11,9 +11,10 @@ Two indexes (`index`): the group's texts searched by comparison (`group_match.Gr
 append, a fixed number of array operations to draft, suffixes compared up to `max_match` tokens) and a
 generalized suffix automaton (`group_automaton.GroupAutomaton`: amortised O(1) per token, in loops whose trip
 counts depend on the data, siblings taking turns). "auto" takes the texts, unless `max_tokens` bounds the
-automaton. On a GPU each automaton loop iteration is a kernel launch; on this project's 2-core CPU the texts
-also cost less a step at 8 and 32 rows (0.7 against 1.6 ms, 2.3 against 2.8) and about twice as much at 128
-(9 against 4 ms, where a plain step of the default model takes seconds): docs/BENCHMARKS.md.
+automaton. On a GPU each automaton loop iteration is a kernel launch. On this project's 2-core CPU (a draft
+and a 2-token append per row a step) the texts cost 0.65 against 1.6 ms at 8 rows, about the same at 32 (1.8-2.3
+against 1.6-2.8 ms), and about twice as much at 128 (6-9 against 3-4 ms, where a plain step of the default
+model takes seconds): docs/BENCHMARKS.md.
 
 Layout. Rows p * G .. p * G + G - 1 of the batch `init` sees form group p: the layout `prefill(group_size=G)`
 produces. Each row keeps its (group, string) indices as per-row state, and the groups' automata are
