@@ -305,6 +305,8 @@ class SpecConfig:
     # children).
     # eagle: unset drafts a chain of K; set, a static tree (EAGLE-1) of K nodes at most tree_depth deep, with
     # up to tree_top_k candidates per node (`TreeTopology.default`).
+    # group_sam: tree_top_k > 1 drafts that many continuations from the group, differing in their first token,
+    # K // tree_top_k deep each (Seer's multi-path drafting; sam_index "match" or "auto"); tree_depth stays unset.
     tree_depth: int | None = None
     tree_top_k: int | None = None
     # medusa / eagle / eagle2 / eagle3: the head scores only the N most frequent target tokens (FR-Spec), the first N of
@@ -384,6 +386,14 @@ class SpecConfig:
             if k > drafted:
                 raise ValueError(f"num_speculative_tokens={k} exceeds the {drafted} nodes a tree of tree_depth="
                                  f"{self.tree_depth}, tree_top_k={self.tree_top_k} drafts")
+        if self.method == "group_sam" and (self.tree_depth, self.tree_top_k) != (None, None):
+            paths = self.tree_top_k
+            if self.tree_depth is not None or not is_integer(paths) or paths < 1 or k % paths:
+                raise ValueError(f"group_sam takes tree_top_k (paths) alone, an integer >= 1 dividing "
+                                 f"num_speculative_tokens={k}; got tree_depth={self.tree_depth!r}, "
+                                 f"tree_top_k={paths!r}")
+            if paths > 1 and self.sam_index == "automaton":
+                raise ValueError(f"tree_top_k={paths} drafts from group_sam's texts index; sam_index='automaton'")
         if self.draft_vocab is not None:
             if not is_integer(self.draft_vocab) or self.draft_vocab < 1:
                 raise ValueError(f"draft_vocab={self.draft_vocab!r} must be None or an integer in [1, vocab_size]")

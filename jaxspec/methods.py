@@ -104,7 +104,8 @@ def _build_sam(lm, spec, shapes):
 def _build_group_sam(lm, spec, shapes):
     return GroupSamProposer(spec.num_speculative_tokens, group_size=shapes.group_size,
                             prompt_width=shapes.prompt_width, buffer_len=shapes.buffer_len, min_match=spec.min_match,
-                            draft_per_match=spec.draft_per_match, index=spec.sam_index), None
+                            draft_per_match=spec.draft_per_match, index=spec.sam_index,
+                            paths=spec.tree_top_k or 1), None
 
 
 def _build_draft_model(lm, spec, shapes):

@@ -13,7 +13,9 @@ after a warm-up that compiles everything:
 * group_sam  rollout, each row drafting from every sample of its prompt;
 * group_sam+refs  the same with an earlier rollout (another seed) of each prompt as references.
 A speculative method may name its index after "@" (`SpecConfig.sam_index`): group_sam@automaton,
-group_sam@match, sam@automaton; without one it takes the default ("auto").
+group_sam@match, sam@automaton; without one it takes the default ("auto"). group_sam/N drafts N paths
+(`SpecConfig.tree_top_k`, a tree of continuations that differ in their first token): group_sam/2,
+group_sam+refs/2@match.
 
 The speculation runs use the policy `--speculation` names: by default adaptive (speculate where the measured
 verify cost of the current batch is repaid by the measured acceptance); "always" measures drafting quality.
@@ -25,7 +27,7 @@ or anywhere in its group, predicts. A plot shows active rows and committed token
 
     python scripts/bench_rollout.py                                   # 16 x 8, 256 tokens, T = 0.7 and 1.0
     python scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 128 --temperatures 0.7 --repeats 1
-    python scripts/bench_rollout.py --methods none,group_sam@automaton,group_sam@match --speculation always
+    python scripts/bench_rollout.py --methods none,group_sam@automaton,group_sam,group_sam/2 --speculation always
 """
 
 from __future__ import annotations
@@ -75,14 +77,29 @@ def ceiling(prompts: list[list[int]], samples: list[list[list[int]]]) -> tuple[f
     return hits_own / max(total, 1), hits_group / max(total, 1)
 
 
+def parse_method(method: str) -> tuple[str, int | None, str]:
+    """"name[/paths][@index]" -> (name, paths or None, index); ValueError for what the script cannot run."""
+    rest, _, index = method.partition("@")
+    name, _, paths = rest.partition("/")
+    speculative = name in METHODS and name != "generate" and not name.startswith("none")
+    if (name not in METHODS or ((index or paths) and not speculative) or (index and index not in SAM_INDEXES)
+            or (paths and (not paths.isdigit() or not name.startswith("group_sam")))):
+        raise ValueError(f"{method!r} is not one of {METHODS}, with /paths for group_sam and @ one of "
+                         f"{SAM_INDEXES} for a speculative one")
+    if speculative:  # SpecConfig's own checks: paths must divide K, paths need the texts index
+        SpecConfig(method=name.split("+")[0], sam_index=index or "auto", tree_top_k=int(paths) if paths else None)
+    return name, int(paths) if paths else None, index or "auto"
+
+
 def run(lm, method: str, prompts, common: dict, every, generate_sampling, earlier):
     """One timed call: `generate` over every sample, or a rollout with the method (earlier: the references)."""
     if method == "generate":
         res = jaxspec.generate(lm, every, max_new_tokens=common["max_new_tokens"], sampling=generate_sampling)
         print(f"  generate: {res.stats.prefill_s + res.stats.decode_s:.1f} s", flush=True)
         return res
-    name, _, index = method.partition("@")
-    spec = None if name.startswith("none") else SpecConfig(method=name.split("+")[0], sam_index=index or "auto")
+    name, paths, index = parse_method(method)
+    spec = None if name.startswith("none") else SpecConfig(method=name.split("+")[0], sam_index=index,
+                                                            tree_top_k=paths)
     refs = earlier if name.endswith("+refs") else None
     if spec is None:
         common = common | {"speculation": "off"}
@@ -113,11 +130,10 @@ def main(argv=None) -> int:
     prompts = workloads.held_out_prompts(lm.tokenizer, args.prompts)
     methods = args.methods.split(",")
     for m in methods:
-        name, _, index = m.partition("@")
-        if name not in METHODS or (index and (name in ("generate",) or name.startswith("none")
-                                              or index not in SAM_INDEXES)):
-            parser.error(f"--methods: {m!r} is not one of {METHODS}, with @ one of {SAM_INDEXES} for a "
-                         "speculative one")
+        try:
+            parse_method(m)
+        except ValueError as e:
+            parser.error(f"--methods: {e}")
     info = machine.info()
     header = (f"{machine.line(info)}\n{len(prompts)} held-out HumanEval prompts x {args.samples} samples, up to "
               f"{args.new_tokens} new tokens, top-p 1, speculation {args.speculation}, {args.repeats} timed "

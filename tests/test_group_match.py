@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import SpecConfig
 from jaxspec.proposers import group_automaton as ga
 from jaxspec.proposers import group_match as gm
 from jaxspec.proposers.group_sam import GroupSamProposer
@@ -158,6 +159,47 @@ def test_match_lengths_are_at_least_the_group_automatons():
     assert compared > 30 and equal > 0.8 * len(group) * 8
 
 
+def test_paths_branch_at_their_first_token_and_take_each_branchs_best_match():
+    """Path c is the best (longest, then first) match among occurrences whose next token no earlier path
+    starts with: brute force over random groups."""
+    rng = random.Random(11)
+    paths, depth = 3, 3
+    draft_paths = jax.jit(gm.draft_paths, static_argnames=("k", "paths", "max_match"))
+    prefixes = [[rng.randrange(4) for _ in range(4)] for _ in range(P)]
+    host = HostGroups(prefixes, width=32)
+    state = start(gm.GroupMatch.create(P, N, 32), jnp.asarray(prefixes, jnp.int32), jnp.full((P,), 4, jnp.int32))
+    group, string = np.repeat(np.arange(P), N).astype(np.int32), np.tile(np.arange(N), P).astype(np.int32)
+    branched = 0
+    for _ in range(5):
+        num = np.array([rng.randrange(5) for _ in group], np.int32)
+        tokens = np.array([[rng.randrange(4) for _ in range(4)] for _ in group], np.int32)
+        state = extend_rows(state, group, string, tokens, num)
+        for b in range(len(group)):
+            host.append(int(group[b]), int(string[b]), tokens[b, : num[b]].tolist())
+        out = [np.asarray(x) for x in draft_paths(state, group, string, k=depth, paths=paths)]
+        for b in range(len(group)):
+            texts, x = host.texts[group[b]], host.texts[group[b]][string[b]]
+            taken: set[int] = set()
+            for c in range(paths):
+                best, at = 0, None
+                for w, t in enumerate(texts):
+                    for i in range(len(t) - 1):
+                        r = 0
+                        while r < 32 and r <= i and r < len(x) and t[i - r] == x[-1 - r]:
+                            r += 1
+                        if r > best and t[i + 1] not in taken:
+                            best, at = r, (w, i)
+                assert int(out[1][b, c]) == best, (b, c)
+                if best:
+                    w, i = at
+                    cont = texts[w][i + 1:]
+                    assert int(out[2][b, c]) == len(cont)
+                    assert out[0][b, c, : min(depth, len(cont))].tolist() == cont[:depth]
+                    taken.add(cont[0])
+                    branched += c > 0
+    assert branched > 20
+
+
 def test_catch_up_gives_each_string_its_text():
     state = start(gm.GroupMatch.create(2, 3, 10), jnp.asarray([[4, 5], [6, 0]], jnp.int32), jnp.asarray([2, 1]))
     state = extend_rows(state, jnp.asarray([0]), jnp.asarray([1]), jnp.asarray([[9, 9, 9]]), jnp.asarray([3]))
@@ -181,7 +223,14 @@ def test_group_sam_index_choice_and_bad_values():
     assert not make(max_tokens=12).uses_match_index, "a bounded capacity is the automaton's"
     assert not make(index="automaton").uses_match_index
     assert make().index_bytes() < make(index="automaton").index_bytes()
+    assert make(paths=2).max_depth == 2 and make().max_depth == 4
     for kw, message in ((dict(index="trie"), "index='trie'"), (dict(index="match", max_tokens=12), "max_tokens=12"),
-                        (dict(max_match=0), "max_match=0")):
+                        (dict(max_match=0), "max_match=0"), (dict(paths=3), "paths=3"),
+                        (dict(paths=2, index="automaton"), "paths=2")):
         with pytest.raises(ValueError, match=message):
             make(**kw)
+    assert SpecConfig(method="group_sam", tree_top_k=2).tree_top_k == 2
+    for kw, message in ((dict(tree_top_k=3), "tree_top_k=3"), (dict(tree_top_k=2, tree_depth=4), "tree_depth=4"),
+                        (dict(tree_top_k=2, sam_index="automaton"), "sam_index='automaton'")):
+        with pytest.raises(ValueError, match=message):
+            SpecConfig(method="group_sam", **kw)

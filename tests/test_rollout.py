@@ -49,8 +49,8 @@ def peaked_lm(tiny_lm):
                                  params=params, tokenizer=None)
 
 
-def _run(lm, method, sam_index="auto", **kw):
-    spec = None if method == "none" else SpecConfig(method=method, sam_index=sam_index)
+def _run(lm, method, sam_index="auto", paths=None, **kw):
+    spec = None if method == "none" else SpecConfig(method=method, sam_index=sam_index, tree_top_k=paths)
     kw.setdefault("sampling", MIXED)
     kw.setdefault("speculation", "always")
     kw.setdefault("stop_token_ids", STOP)
@@ -99,6 +99,28 @@ def test_group_sam_with_the_automaton_index_reproduces_the_plain_rollout(peaked_
     assert automaton.token_ids == plain.token_ids
     assert automaton.stats.drafted > 0 and automaton.stats.accepted > 0
     assert automaton.stats.accepted <= grouped.stats.accepted
+
+
+def test_group_sam_paths_draft_a_tree_and_reproduce_the_plain_rollout(peaked_lm, plain):
+    """Two continuations per row that differ in their first token (a tree of 2 x 4 nodes): the plain tokens,
+    drafts made and accepted, some of them on the second path."""
+    from jaxspec.proposers import group_match
+
+    seen = {"second": 0}
+    draft_paths = group_match.draft_paths
+
+    def spy(*args, **kw):  # counts rows whose second path had a match, traced into the compiled loop
+        out = draft_paths(*args, **kw)
+        jax.debug.callback(lambda m: seen.__setitem__("second", seen["second"] + int((m[:, 1] >= 2).sum())),
+                           out[1])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(group_match, "draft_paths", spy)
+        tree = _run(peaked_lm, "group_sam", paths=2)
+    assert tree.token_ids == plain.token_ids
+    assert tree.stats.drafted > 0 and tree.stats.accepted > 0
+    assert seen["second"] > 0, "some rows drafted a second path"
 
 
 def test_rollout_equals_generate_with_the_sample_seeds(peaked_lm, plain):
@@ -251,6 +273,7 @@ def test_memory_bound_names_the_setting(peaked_lm, monkeypatch):
     (dict(group_capacity=0), "group_capacity"),
     (dict(spec=None, group_capacity=64), "group_capacity"),
     (dict(spec=SpecConfig(method="group_sam", sam_index="match"), group_capacity=64), "group_capacity=64"),
+    (dict(spec=SpecConfig(method="group_sam", tree_top_k=2), group_capacity=64), "group_capacity=64"),
 ])
 def test_bad_input_names_the_value(peaked_lm, kwargs, match):
     args = dict(prompts=PROMPTS, num_samples=G, max_new_tokens=8, sampling=SamplingParams(),

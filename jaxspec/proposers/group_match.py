@@ -148,24 +148,57 @@ def suffix_runs(texts: jax.Array, text_len: jax.Array, string: jax.Array, max_ma
     return run
 
 
+def _continued_runs(gm: GroupMatch, group: jax.Array, string: jax.Array, max_match: int):
+    """(texts i32[B, N, T] and text_len i32[B, N] of each row's group, runs i32[B, N * T]: `suffix_runs` where a
+    position has a continuation, else 0; rows as in `draft_rows`)."""
+    num_groups, num_strings, width = gm.texts.shape
+    g = jnp.clip(jnp.asarray(group, jnp.int32), 0, num_groups - 1)
+    s = jnp.clip(jnp.asarray(string, jnp.int32), 0, num_strings - 1)
+    texts, lens = gm.texts[g], gm.text_len[g]  # [B, N, T], [B, N]
+    run = suffix_runs(texts, lens, s, max_match)
+    pos = jnp.arange(width, dtype=jnp.int32)
+    run = jnp.where(pos < lens[:, :, None] - 1, run, 0).reshape(run.shape[0], -1)
+    usable = (jnp.asarray(group) >= 0) & ~gm.lost[g, s]
+    return texts, lens, jnp.where(usable[:, None], run, 0)
+
+
+def _continuation(texts: jax.Array, lens: jax.Array, best: jax.Array, at: jax.Array, k: int):
+    """(tokens i32[B, k], match_len i32[B], available i32[B]) after flat position at[b] = w * T + i."""
+    width = texts.shape[2]
+    rows = jnp.arange(at.shape[0])
+    w, end = at // width, at % width
+    ok = best > 0
+    available = jnp.where(ok, lens[rows, w] - end - 1, 0)
+    idx = jnp.clip(end[:, None] + 1 + jnp.arange(k, dtype=jnp.int32), 0, width - 1)  # [B, k]
+    return texts[rows[:, None], w[:, None], idx], jnp.where(ok, best, 0), available
+
+
 def draft_rows(gm: GroupMatch, group: jax.Array, string: jax.Array, k: int, max_match: int = MAX_MATCH):
     """(tokens i32[B, k], match_len i32[B], available i32[B]) for rows (group, string i32[B]): the k tokens
     after the first (string, position) attaining the longest suffix match (`suffix_runs`) among positions with
     a continuation; `available` of them are real. Nothing matched, an unused row (group < 0) or a lost string:
     match_len = available = 0 (tokens in range, meaningless)."""
-    num_groups, num_strings, width = gm.texts.shape
-    group, string = jnp.asarray(group, jnp.int32), jnp.asarray(string, jnp.int32)
-    g = jnp.clip(group, 0, num_groups - 1)
-    s = jnp.clip(string, 0, num_strings - 1)
-    texts, lens = gm.texts[g], gm.text_len[g]  # [B, N, T], [B, N]
-    run = suffix_runs(texts, lens, s, max_match)
-    pos = jnp.arange(width, dtype=jnp.int32)
-    run = jnp.where(pos < lens[:, :, None] - 1, run, 0).reshape(run.shape[0], -1)  # [B, N * T]: continued only
+    texts, lens, run = _continued_runs(gm, group, string, max_match)
     best = jnp.max(run, axis=1)
     at = jnp.argmax(run, axis=1).astype(jnp.int32)  # the first (string, position) attaining it
-    w, end = at // width, at % width
-    ok = (best > 0) & (group >= 0) & ~gm.lost[g, s]
-    available = jnp.where(ok, lens[jnp.arange(w.shape[0]), w] - end - 1, 0)
-    idx = jnp.clip(end[:, None] + 1 + jnp.arange(k, dtype=jnp.int32), 0, width - 1)  # [B, k]
-    tokens = texts[jnp.arange(w.shape[0])[:, None], w[:, None], idx]
-    return tokens, jnp.where(ok, best, 0), available
+    return _continuation(texts, lens, best, at, k)
+
+
+def draft_paths(gm: GroupMatch, group: jax.Array, string: jax.Array, k: int, paths: int,
+                max_match: int = MAX_MATCH):
+    """Several distinct continuations per row (Seer's multi-path drafting): (tokens i32[B, paths, k],
+    match_len i32[B, paths], available i32[B, paths]). Path 0 is `draft_rows`'s; path c is the best match
+    among the occurrences whose next token differs from paths 0..c-1's first tokens, so the paths branch at
+    their first token and match_len does not increase with c. A path with nothing left to match has
+    match_len = available = 0."""
+    texts, lens, run = _continued_runs(gm, group, string, max_match)
+    batch, num_strings, width = texts.shape
+    nxt = jnp.pad(texts[:, :, 1:], ((0, 0), (0, 0), (0, 1))).reshape(batch, -1)  # [B, N * T]  the next token
+    out = []
+    for _ in range(paths):  # unrolled: `paths` is small
+        best = jnp.max(run, axis=1)
+        at = jnp.argmax(run, axis=1).astype(jnp.int32)
+        out.append(_continuation(texts, lens, best, at, k))
+        first = jnp.take_along_axis(nxt, at[:, None], axis=1)  # [B, 1]
+        run = jnp.where(nxt == first, 0, run)  # every occurrence continuing with that token is taken
+    return tuple(jnp.stack(parts, axis=1) for parts in zip(*out))

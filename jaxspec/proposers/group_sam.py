@@ -58,7 +58,7 @@ class GroupSamState:
 
 @dataclasses.dataclass(frozen=True)
 class GroupSamProposer(ChainProposer):
-    """Drafting from the group's generalized suffix automaton; params: `GroupReferences` or None."""
+    """Drafting from the group's texts or generalized suffix automaton; params: `GroupReferences` or None."""
 
     num_speculative_tokens: int  # K
     group_size: int  # G: consecutive rows per group at init
@@ -69,6 +69,9 @@ class GroupSamProposer(ChainProposer):
     max_tokens: int | None = None  # tokens one group's automaton holds; None: all it can ever be given
     index: str = "auto"  # "match" | "automaton" | "auto" (see the module docstring)
     max_match: int = gm_lib.MAX_MATCH  # the "match" index compares suffixes up to this length
+    # > 1: a tree of this many continuations that differ in their first token, K // paths deep each (Seer's
+    # multi-path drafting; the "match" index only). Verification follows whichever the target agrees with.
+    paths: int = 1
     # True: draft nothing and leave the index as it is; the owner calls `catch_up` before drafting again.
     # For a rollout chunk that does not speculate: the automaton appends every committed token in G passes a
     # step (siblings take turns), about 4% of a plain step at 32 rows on XLA:CPU, for drafts nobody reads.
@@ -87,6 +90,17 @@ class GroupSamProposer(ChainProposer):
                              "text whole")
         if self.max_match < 1:
             raise ValueError(f"max_match={self.max_match!r} must be >= 1")
+        if self.paths < 1 or self.num_speculative_tokens % self.paths:
+            raise ValueError(f"paths={self.paths!r} must be >= 1 and divide num_speculative_tokens="
+                             f"{self.num_speculative_tokens}")
+        if self.paths > 1 and not self.uses_match_index:
+            raise ValueError(f"paths={self.paths} drafts from the texts index; index={self.index!r}, max_tokens="
+                             f"{self.max_tokens!r} take the automaton")
+
+    @property
+    def max_depth(self) -> int:
+        """The most drafts one step can accept: K for a chain, each path's depth for a tree."""
+        return self.num_speculative_tokens // self.paths
 
     @property
     def uses_match_index(self) -> bool:
@@ -146,6 +160,8 @@ class GroupSamProposer(ChainProposer):
             none = jnp.zeros((batch,), jnp.int32)
             return Draft(tokens=jnp.zeros((batch, k), jnp.int32), num_draft=none, probs=None, match_len=none), pstate
         index = pstate.automata.value
+        if self.paths > 1:
+            return self._propose_paths(index, pstate, ctx), pstate
         if isinstance(index, gm_lib.GroupMatch):
             tokens, match_len, available = gm_lib.draft_rows(index, pstate.group, pstate.string, k, self.max_match)
         else:
@@ -153,6 +169,28 @@ class GroupSamProposer(ChainProposer):
         num_draft = lookup_draft_count(match_len, available, ctx.max_draft, k, self.min_match, self.draft_per_match)
         tokens = jnp.where(jnp.arange(k) < num_draft[:, None], tokens, 0).astype(jnp.int32)
         return Draft(tokens=tokens, num_draft=num_draft, probs=None, match_len=match_len.astype(jnp.int32)), pstate
+
+    def _propose_paths(self, index: gm_lib.GroupMatch, pstate: GroupSamState, ctx: Context) -> Draft:
+        """A tree of `paths` chains under the root, best match first: token i = c * D + d is path c's d-th
+        draft (D = K // paths), under the root when d = 0, else under its predecessor. num_draft counts nodes
+        up to the last path that drafts; a shorter path earlier keeps its unreal nodes (verification judges
+        them like any other: they cost width, never a wrong token)."""
+        depth = self.max_depth
+        tokens, match_len, available = gm_lib.draft_paths(index, pstate.group, pstate.string, depth, self.paths,
+                                                          self.max_match)  # [B, paths, D], [B, paths] x 2
+        batch = tokens.shape[0]
+        per_path = lookup_draft_count(match_len.reshape(-1), available.reshape(-1),
+                                      jnp.repeat(ctx.max_draft, self.paths), depth, self.min_match,
+                                      self.draft_per_match).reshape(batch, self.paths)  # i32[B, paths]
+        # Matches shorten path by path, so the paths that draft come first.
+        drafting = jnp.sum(per_path > 0, axis=1)  # i32[B]
+        last = jnp.take_along_axis(per_path, jnp.maximum(drafting - 1, 0)[:, None], axis=1)[:, 0]
+        num_draft = jnp.where(drafting > 0, (drafting - 1) * depth + last, 0)
+        d = jnp.arange(self.num_speculative_tokens, dtype=jnp.int32) % depth
+        parents = jnp.where(d == 0, 0, jnp.arange(self.num_speculative_tokens, dtype=jnp.int32))  # node i+1 under i
+        return Draft(tokens=tokens.reshape(batch, -1).astype(jnp.int32), num_draft=num_draft.astype(jnp.int32),
+                     probs=None, match_len=match_len[:, 0].astype(jnp.int32),
+                     parents=jnp.broadcast_to(parents, (batch, self.num_speculative_tokens)))
 
     def update(self, params, pstate: GroupSamState, ctx: Context, committed: Committed) -> GroupSamState:
         """Each row's string extended by committed.tokens[b, :committed.num[b]] (siblings one at a time);

@@ -99,9 +99,11 @@ def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int
         if inputs.spec.method != "group_sam":
             raise ValueError(f"group_capacity={group_capacity} sizes method='group_sam' automata; spec.method="
                              f"{inputs.spec.method!r}")
-        if inputs.spec.sam_index == "match":
-            raise ValueError(f"group_capacity={group_capacity} sizes group automata; spec.sam_index='match' "
-                             "holds every text whole (leave group_capacity None, or use sam_index='automaton')")
+        if inputs.spec.sam_index == "match" or (inputs.spec.tree_top_k or 1) > 1:
+            raise ValueError(f"group_capacity={group_capacity} sizes group automata; spec.sam_index="
+                             f"{inputs.spec.sam_index!r} with tree_top_k={inputs.spec.tree_top_k!r} drafts from the "
+                             "texts index, which holds every text whole (leave group_capacity None, or use "
+                             "sam_index='automaton' with one path)")
     attention_impl = attention_impl or default_attention_impl()
     if attention_impl not in ("xla", "pallas"):
         raise ValueError(f"attention_impl={attention_impl!r} must be None, 'xla' or 'pallas'")
