@@ -28,29 +28,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchkit import machine, output, tables
+from benchkit.cli import ints
 from jaxspec.proposers import group_automaton, group_match, suffix_automaton, suffix_match
 
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+OPTIONS = (  # flag, type, default, help
+    ("--sam-batches", ints, [1, 8, 32], "sam rows"),
+    ("--sam-text", int, 2048, "sam's text capacity T"),
+    ("--sam-prompt", int, 1000, "sam's prompt tokens"),
+    ("--sam-append", ints, [7, 15], "tokens a sam step appends"),
+    ("--group-batches", ints, [128, 32, 8], "group_sam rows"),
+    ("--groups", int, 16, "P prompts"),
+    ("--samples", int, 8, "G samples per prompt"),
+    ("--prompt-width", int, 512, "prompt bucket"),
+    ("--buffer", int, 256, "output buffer"),
+    ("--max-match", ints, [32], "the texts index's max_match"),
+    ("--draft", int, 8, "K, tokens drafted a step"),
+    ("--steps", int, 16, "S, steps per timed loop"),
+    ("--repeats", int, 5, "timed loops"),
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=("sam", "group"), help="time one family (default: both)")
-    p.add_argument("--sam-batches", type=ints, default=[1, 8, 32], help="sam rows (default: %(default)s)")
-    p.add_argument("--sam-text", type=int, default=2048, help="sam's text capacity T (default: %(default)s)")
-    p.add_argument("--sam-prompt", type=int, default=1000, help="sam's prompt tokens (default: %(default)s)")
-    p.add_argument("--sam-append", type=ints, default=[7, 15], help="tokens a sam step appends (default: %(default)s)")
-    p.add_argument("--group-batches", type=ints, default=[128, 32, 8], help="group_sam rows (default: %(default)s)")
-    p.add_argument("--groups", type=int, default=16, help="P prompts (default: %(default)s)")
-    p.add_argument("--samples", type=int, default=8, help="G samples per prompt (default: %(default)s)")
-    p.add_argument("--prompt-width", type=int, default=512, help="prompt bucket (default: %(default)s)")
-    p.add_argument("--buffer", type=int, default=256, help="output buffer (default: %(default)s)")
-    p.add_argument("--max-match", type=ints, default=[32], help="texts index max_match (default: %(default)s)")
-    p.add_argument("--draft", type=int, default=8, help="K, tokens drafted a step (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=16, help="S, steps per timed loop (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="timed loops (default: %(default)s)")
+    for flag, kind, default, text in OPTIONS:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     return p.parse_args(argv)
 

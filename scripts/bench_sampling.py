@@ -33,13 +33,10 @@ import numpy as np
 
 import jaxspec
 from benchkit import machine, output, tables
+from benchkit.cli import ints
 from benchkit.timing import interleave, timer
 from jaxspec import SamplingParams
 from jaxspec.sampling import argmax, categorical
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

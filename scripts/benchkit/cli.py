@@ -1,0 +1,8 @@
+"""Command-line argument types the benchmark scripts share."""
+
+from __future__ import annotations
+
+
+def ints(text: str) -> list[int]:
+    """"1,8,32" -> [1, 8, 32] (empty items skipped)."""
+    return [int(x) for x in text.split(",") if x]
