@@ -59,10 +59,6 @@ class GroupMatch:
         """Device bytes of one group's texts as `create` sizes them."""
         return num_strings * (4 * max(int(max_text_len), 1) + 5)
 
-    @property
-    def max_text_len(self) -> int:
-        return self.texts.shape[-1]
-
 
 def extend_rows(gm: GroupMatch, group: jax.Array, string: jax.Array, tokens: jax.Array,
                 num: jax.Array) -> GroupMatch:
@@ -75,8 +71,8 @@ def extend_rows(gm: GroupMatch, group: jax.Array, string: jax.Array, tokens: jax
     real = (group >= 0) & (group < num_groups)
     g = jnp.where(real, group, num_groups)  # out of range: every write of an unused row is dropped
     s = jnp.clip(string, 0, num_strings - 1)
-    n = gm.text_len[jnp.clip(g, 0, num_groups - 1), s]  # i32[B]
-    lost = gm.lost[jnp.clip(g, 0, num_groups - 1), s]
+    read = jnp.clip(g, 0, num_groups - 1)
+    n, lost = gm.text_len[read, s], gm.lost[read, s]  # i32[B], bool[B]
     num = jnp.clip(num, 0, tokens.shape[1])
     fits = n + num <= width
     m = jnp.where(real & fits & ~lost, num, 0)
@@ -178,10 +174,7 @@ def draft_rows(gm: GroupMatch, group: jax.Array, string: jax.Array, k: int, max_
     after the first (string, position) attaining the longest suffix match (`suffix_runs`) among positions with
     a continuation; `available` of them are real. Nothing matched, an unused row (group < 0) or a lost string:
     match_len = available = 0 (tokens in range, meaningless)."""
-    texts, lens, run = _continued_runs(gm, group, string, max_match)
-    best = jnp.max(run, axis=1)
-    at = jnp.argmax(run, axis=1).astype(jnp.int32)  # the first (string, position) attaining it
-    return _continuation(texts, lens, best, at, k)
+    return tuple(x[:, 0] for x in draft_paths(gm, group, string, k, 1, max_match))
 
 
 def draft_paths(gm: GroupMatch, group: jax.Array, string: jax.Array, k: int, paths: int,
@@ -195,9 +188,9 @@ def draft_paths(gm: GroupMatch, group: jax.Array, string: jax.Array, k: int, pat
     batch, num_strings, width = texts.shape
     nxt = jnp.pad(texts[:, :, 1:], ((0, 0), (0, 0), (0, 1))).reshape(batch, -1)  # [B, N * T]  the next token
     out = []
-    for _ in range(paths):  # unrolled: `paths` is small
+    for _ in range(paths):  # unrolled: `paths` is small (one path: XLA drops the masking after it)
         best = jnp.max(run, axis=1)
-        at = jnp.argmax(run, axis=1).astype(jnp.int32)
+        at = jnp.argmax(run, axis=1).astype(jnp.int32)  # the first (string, position) attaining it
         out.append(_continuation(texts, lens, best, at, k))
         first = jnp.take_along_axis(nxt, at[:, None], axis=1)  # [B, 1]
         run = jnp.where(nxt == first, 0, run)  # every occurrence continuing with that token is taken

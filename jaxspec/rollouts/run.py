@@ -99,11 +99,6 @@ def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int
         if inputs.spec.method != "group_sam":
             raise ValueError(f"group_capacity={group_capacity} sizes method='group_sam' automata; spec.method="
                              f"{inputs.spec.method!r}")
-        if inputs.spec.sam_index == "match" or (inputs.spec.tree_top_k or 1) > 1:
-            raise ValueError(f"group_capacity={group_capacity} sizes group automata; spec.sam_index="
-                             f"{inputs.spec.sam_index!r} with tree_top_k={inputs.spec.tree_top_k!r} drafts from the "
-                             "texts index, which holds every text whole (leave group_capacity None, or use "
-                             "sam_index='automaton' with one path)")
     attention_impl = attention_impl or default_attention_impl()
     if attention_impl not in ("xla", "pallas"):
         raise ValueError(f"attention_impl={attention_impl!r} must be None, 'xla' or 'pallas'")
@@ -135,8 +130,11 @@ class _Rollout:
             self.proposer_params = sharding.replicate(self.proposer_params, lm.mesh)
         index_bytes = 0
         if isinstance(self.proposer, GroupSamProposer):
-            if group_capacity is not None:
-                self.proposer = dataclasses.replace(self.proposer, max_tokens=group_capacity)
+            if group_capacity is not None:  # the proposer refuses it where its index is not an automaton
+                try:
+                    self.proposer = dataclasses.replace(self.proposer, max_tokens=group_capacity)
+                except ValueError as e:
+                    raise ValueError(f"group_capacity={group_capacity} sizes a group automaton: {e}") from None
             refs = inputs.references
             num_refs, ref_len = (0, 0) if refs is None else refs.tokens.shape[1:]
             index_bytes = inputs.num_prompts * self.proposer.index_bytes(num_refs, ref_len)
