@@ -215,6 +215,11 @@ def test_catch_up_gives_each_string_its_text():
     assert lost.tolist() == [[False, False, False], [True, False, False]], "12 tokens do not fit in 10"
     tokens, match_len, _ = draft_rows(out, jnp.asarray([1]), jnp.asarray([0]), k=2)
     assert int(match_len[0]) == 0, "a lost string drafts nothing"
+    # String (0, 2) is lost by an append past T; catching up with a text that would fit does not grow it.
+    lost_one = extend_rows(out, jnp.asarray([0]), jnp.asarray([2]), jnp.asarray([[1] * 9]), jnp.asarray([9]))
+    again = jax.jit(gm.catch_up)(lost_one, jnp.asarray(texts).at[0, 2, 2].set(7), jnp.asarray(lengths).at[0, 2].set(3))
+    assert bool(np.asarray(lost_one.lost)[0, 2]) and np.asarray(again.text_len)[0, 2] == 2, \
+        "a lost string stops growing, in catch_up as in extend_rows"
 
 
 def test_group_sam_index_choice_and_bad_values():

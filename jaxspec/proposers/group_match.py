@@ -105,12 +105,13 @@ def start(gm: GroupMatch, prefix: jax.Array, prefix_len: jax.Array) -> GroupMatc
 
 def catch_up(gm: GroupMatch, texts: jax.Array, lengths: jax.Array) -> GroupMatch:
     """Strings 0..M-1 of every group given the texts they have grown to elsewhere (texts i32[P, M, H], lengths
-    i32[P, M]; each begins with what the string already holds). A string already as long keeps its text; one
-    longer than T takes its first T tokens and is marked lost."""
+    i32[P, M]; each begins with what the string already holds). A string already as long, or lost, keeps its
+    text (a lost string stops growing, as `extend_rows` has it); one longer than T takes its first T tokens and
+    is marked lost."""
     texts, lengths = jnp.asarray(texts, jnp.int32), jnp.asarray(lengths, jnp.int32)
     num_strings, width = texts.shape[1], gm.texts.shape[2]
     have = gm.text_len[:, :num_strings]
-    grow = lengths > have  # bool[P, M]
+    grow = (lengths > have) & ~gm.lost[:, :num_strings]  # bool[P, M]
     given = jnp.zeros(texts.shape[:2] + (width,), jnp.int32).at[..., : texts.shape[2]].set(texts[..., :width])
     new = jnp.where(grow[..., None], given, gm.texts[:, :num_strings])
     new_len = jnp.where(grow, jnp.minimum(lengths, width), have)
