@@ -5,6 +5,8 @@ log-probability of each token under the distribution it was sampled from, with t
 g of prompt p is keyed by (seed, p, g, position) only (`sample_seeds`), so a rollout reproduces token for
 token whatever the batch, its compaction or the speculation method: `SpecConfig(method="group_sam")` drafts
 from the prompt's other samples (and `references=`, earlier completions) and changes how fast, never what.
+That equality needs logits that do not depend on the batch's shape, as XLA:CPU's do; a GPU's default TF32
+products round by shape (docs/how-to/rollouts.md).
 """
 
 from .inputs import LOGPROB_MODES, sample_seeds
