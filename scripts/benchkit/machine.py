@@ -45,11 +45,15 @@ def info(device: bool = True) -> dict:
         devices = jax.devices()
         out["backend"] = jax.default_backend()
         out["device"] = f"{len(devices)} x {devices[0].device_kind}"
+        # None is XLA's default: TF32 for float32 products on recent NVIDIA GPUs, full float32 on a CPU.
+        out["matmul_precision"] = jax.config.jax_default_matmul_precision
     return out
 
 
 def line(machine: dict) -> str:
     """One line for a report's header: machine, CPU, versions, device (when recorded), date."""
     device = f", {machine['backend']} ({machine['device']})" if "device" in machine else ""
+    if machine.get("matmul_precision"):
+        device += f", matmul precision {machine['matmul_precision']}"
     return (f"{machine['machine']} ({machine['cpu']}), jax {machine['jax']}, flax {machine['flax']}{device}, "
             f"{machine['date']}")

@@ -25,9 +25,9 @@ def save_json(path: Path, machine_info: dict, args, results: list) -> None:
     print(f"wrote {path}")
 
 
-def exit_status(differing: list[str]) -> int:
-    """1, after saying which, when some run's greedy output differed from plain decoding's; else 0."""
+def exit_status(differing: list[str], what: str = "greedy outputs differ from none") -> int:
+    """1, after saying which (`what`), when some run's output differed from plain decoding's; else 0."""
     if differing:
-        print(f"greedy outputs differ from none: {differing}", file=sys.stderr)
+        print(f"{what}: {differing}", file=sys.stderr)
         return 1
     return 0
