@@ -143,6 +143,7 @@ class Runner:
         self._stack_initial: dict[int, int] = {}
         self._stacked: list = []
         self._steps_read = 0  # the loop's step counter at the last read (a regroup keeps the old batch's)
+        self._settings = (None, None)  # (key, (sampling, limits)) of the last chunk's rows (`_batch_settings`)
 
     @property
     def num_slots(self) -> int:
@@ -339,11 +340,25 @@ class Runner:
 
     # ------------------------------------------------------------------ decoding
 
-    def _decode(self, rows: Sequence[LiveRequest | None], caps: np.ndarray) -> DecodeState:
-        """Up to chunk_steps decode steps over the batch; caps i32[max_slots + 1] (`SpeculationPolicy`)."""
+    def _batch_settings(self, rows: Sequence[LiveRequest | None]) -> tuple[SamplingParams, RowLimits]:
+        """The batch arrays of the rows' settings, reused while every slot holds the same values: stacking them
+        checks each row's values and uploads each field, 5 ms a chunk at 8 slots and 12 at 32 on a 2-core CPU,
+        which a GPU's chunk of a few milliseconds a step cannot hide."""
         settings = [None if r is None else slots.RowSettings(r.request.sampling, r.request.max_tokens, r.stop_ids)
                     for r in rows]
-        sampling, limits = slots.stack_settings(settings, MAX_STOP_IDS)
+        key = tuple(None if s is None else (s.sampling, s.max_new_tokens, tuple(s.stop_ids)) for s in settings)
+        try:
+            if key == self._settings[0]:
+                return self._settings[1]
+        except (TypeError, ValueError):  # per-row arrays in a SamplingParams: not comparable, build anew
+            key = None
+        value = slots.stack_settings(settings, MAX_STOP_IDS)
+        self._settings = (key, value)
+        return value
+
+    def _decode(self, rows: Sequence[LiveRequest | None], caps: np.ndarray) -> DecodeState:
+        """Up to chunk_steps decode steps over the batch; caps i32[max_slots + 1] (`SpeculationPolicy`)."""
+        sampling, limits = self._batch_settings(rows)
         self.state = decode_chunk(self.lm.graphdef, self.lm.params, self.state, sampling, limits,
                                   MixedParams(jnp.asarray(caps), self._member_params), proposer=self.proposer,
                                   widths=self.widths, attention_impl=self.attention_impl,

@@ -145,6 +145,7 @@ class _Rollout:
         if isinstance(self.proposer, GroupSamProposer):
             self.idle_proposer = dataclasses.replace(self.proposer, idle=True)
         self.behind = False  # chunks ran with idle_proposer since the automata last caught up
+        self._settings_key, self._settings_value = None, None  # the last batch's settings (`_settings`)
         check_memory(lm, inputs, cache_len=self.cache_len, history_len=self.width + self.buffer_len,
                      index_bytes=index_bytes)
         self.widths = spec.verify_widths
@@ -165,7 +166,17 @@ class _Rollout:
     # ------------------------------------------------------------------ per-row settings of a batch
 
     def _settings(self, rows: np.ndarray, cap: int) -> tuple[SamplingParams, RowLimits]:
-        """The sampling arrays and limits of a batch whose row i holds sample rows[i] (-1: a padding row)."""
+        """The sampling arrays and limits of a batch whose row i holds sample rows[i] (-1: a padding row).
+
+        Reused while the rows and the cap stay the same (most chunks): building them anew costs a gather and an
+        upload per field, and SamplingParams checks its values on the host, a device-to-host copy per field.
+        """
+        key = (rows.tobytes(), cap)
+        if self._settings_key != key:
+            self._settings_key, self._settings_value = key, self._build_settings(rows, cap)
+        return self._settings_value
+
+    def _build_settings(self, rows: np.ndarray, cap: int) -> tuple[SamplingParams, RowLimits]:
         idx = jnp.asarray(np.maximum(rows, 0))
         sampling = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), self.inputs.sampling)
         limits = RowLimits(max_new_tokens=jnp.asarray(self.max_new[np.maximum(rows, 0)]),
