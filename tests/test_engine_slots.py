@@ -11,6 +11,7 @@ joining) and every token, draft flag and count must equal what the threaded engi
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -252,3 +253,18 @@ def test_runner_by_hand_equals_the_threaded_engine(tiny_lm):
     assert [(e.token_id, [t for t, _ in e.top]) for e in got] == [(e.token_id, [t for t, _ in e.top]) for e in want]
     # Rows of other batches verify at other widths: the same values, up to float rounding.
     np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want], atol=2e-5)
+
+
+def test_batch_settings_are_reused_until_a_slot_changes(runner):
+    """The runner stacks the slots' settings once and reuses them while every slot holds the same values; a new
+    seed in one slot, or a freed slot, builds them anew."""
+    def live(temperature, seed):
+        request = types.SimpleNamespace(sampling=SamplingParams(temperature=temperature, seed=seed), max_tokens=5)
+        return types.SimpleNamespace(request=request, stop_ids=[1])
+
+    first = runner._batch_settings([live(0.7, 1), None, live(0.0, 2)])
+    assert runner._batch_settings([live(0.7, 1), None, live(0.0, 2)]) is first
+    sampling, limits = runner._batch_settings([live(0.7, 3), None, live(0.0, 2)])
+    assert sampling.seed.tolist() == [3, 0, 2] and limits.max_new_tokens.tolist() == [5, 1, 5]
+    sampling, limits = runner._batch_settings([live(0.7, 3), None, None])
+    assert sampling.seed.tolist() == [3, 0, 0] and limits.max_new_tokens.tolist() == [5, 1, 1]
