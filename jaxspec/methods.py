@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal, Mapping
 from flax import nnx
 
 from .decode import NoProposer
+from .graphdefs import hashed
 from .models.heads import Readout, draft_vocab_path, load_draft_vocab, load_head, named_head_path
 from .models.loading import LanguageModel
 from .proposers.base import Proposer
@@ -137,7 +138,8 @@ def trained_head(lm: LanguageModel, spec) -> tuple[Any, Any, dict]:
     key = (str(path.resolve()), path.stat().st_mtime_ns, lm.config)
     if key not in _HEADS:
         head, meta = load_head(path, lm.config)
-        _HEADS[key] = (*nnx.split(head), meta)
+        graphdef, params = nnx.split(head)
+        _HEADS[key] = (hashed(graphdef), params, meta)  # the proposer holding it is a static jit argument
     meta = _HEADS[key][2]
     if meta.get("kind") != kind:
         raise ValueError(f"head_path={str(path)!r} holds a {meta.get('kind')!r} head; method="

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxspec.graphdefs import hashed
 from jaxspec.sharding import ShardingRules, axis_size, check_rules, param_shardings
 from jaxspec.target import TargetModel, check_target
 
@@ -62,6 +63,11 @@ class LanguageModel:
     tokenizer: Tokenizer | None  # None for a model built in code without one
     mesh: Mesh | None = None  # the devices its parameters are split over (`on_mesh`); None: one device
     rules: ShardingRules | None = None  # how they are split, with `mesh`
+
+    def __post_init__(self):
+        # Every jitted call takes graphdef as a static argument and hashes it; flax's GraphDef walks all its
+        # nodes each time (about a millisecond), a HashedGraphDef once (`jaxspec.graphdefs`).
+        self.graphdef = hashed(self.graphdef)
 
     def on_mesh(self, mesh: Mesh, rules: ShardingRules | None = None) -> "LanguageModel":
         """This model with its parameters placed on `mesh` by `rules` (default `ShardingRules()`): tensor parallel
