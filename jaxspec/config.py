@@ -112,6 +112,9 @@ def _in_range(field: _Field, arr: np.ndarray) -> bool:
     if arr.dtype == object:  # Python ints beyond 64 bits (mixed with others): one by one
         return all(_value_in_range(field, v) for v in arr.ravel().tolist())
     if arr.dtype.kind == "f":
+        # Compare in float64: a bound like 2**32 - 1 does not fit float16, and numpy would cast it with a
+        # RuntimeWarning (to inf; the answer stays right, since no float16 value reaches such a bound).
+        arr = arr.astype(np.float64)
         with np.errstate(invalid="ignore"):
             if not np.all(np.isfinite(arr)) or (field.integer and not np.all(arr == np.floor(arr))):
                 return False

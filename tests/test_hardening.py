@@ -19,6 +19,7 @@ import dataclasses
 import math
 import runpy
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -517,3 +518,13 @@ def test_draft_stream_is_independent_of_the_acceptance_stream(tiny_lm):
     assert control_run.drafted > 0
     assert p_value > 1e-3
     assert control_p < 1e-6
+
+
+def test_half_precision_values_are_checked_without_warnings():
+    """A float16 seed or top_k is compared with bounds float16 cannot hold (2**32 - 1): checked in float64, with no
+    overflow warning, and still refused when it is not a whole number in range."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert SamplingParams(seed=np.float16(3), top_k=np.array([1, 2], np.float16)).seed == 3
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=np.float16(-1))
