@@ -325,7 +325,9 @@ class SpecConfig:
     # token (JSON punctuation and keys), beside methods none, ngram and sam; 0 drafts none.
     forced_tokens: int = 16
     draft_model: Any = dataclasses.field(default=None, compare=False, repr=False)  # a LanguageModel
-    static_sam: Any = dataclasses.field(default=None, compare=False, repr=False)  # a StaticSuffixAutomaton
+    # The corpus of sam_source "static" and "both": a StaticSuffixAutomaton; unset, the draft corpus shipped for the
+    # model (jaxspec.models.corpus; a ValueError where none is shipped).
+    static_sam: Any = dataclasses.field(default=None, compare=False, repr=False)
     # method "custom": any object following the jaxspec.proposers.base.Proposer protocol (frozen, hashable; its
     # num_speculative_tokens must equal K) and the pytree its functions take as params.
     proposer: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -371,8 +373,6 @@ class SpecConfig:
             raise ValueError(f"sam_source={self.sam_source!r} must be 'dynamic', 'static' or 'both'")
         if self.sam_index not in SAM_INDEXES:
             raise ValueError(f"sam_index={self.sam_index!r} must be one of {SAM_INDEXES}")
-        if self.sam_source != "dynamic" and self.method == "sam" and self.static_sam is None:
-            raise ValueError(f"sam_source={self.sam_source!r} needs static_sam (a StaticSuffixAutomaton)")
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("method='draft_model' needs draft_model (a LanguageModel)")
         if self.method == "custom" and getattr(self.proposer, "num_speculative_tokens", None) != k:

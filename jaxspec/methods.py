@@ -18,6 +18,7 @@ from flax import nnx
 
 from .decode import NoProposer
 from .graphdefs import hashed
+from .models.corpus import load_corpus, shipped_corpus_path
 from .models.heads import Readout, draft_vocab_path, load_draft_vocab, load_head, named_head_path
 from .models.loading import LanguageModel
 from .proposers.base import Proposer
@@ -95,11 +96,28 @@ def _check_static_sam(lm: LanguageModel, static_sam) -> None:
 
 
 def _build_sam(lm, spec, shapes):
+    static_sam = spec.static_sam
     if spec.sam_source != "dynamic":
-        _check_static_sam(lm, spec.static_sam)
+        static_sam = shipped_static_sam(lm) if static_sam is None else static_sam
+        _check_static_sam(lm, static_sam)
     return SamProposer(spec.num_speculative_tokens, max_text_len=shapes.prompt_width + shapes.buffer_len,
                        source=spec.sam_source, index=spec.sam_index, min_match=spec.min_match,
-                       draft_per_match=spec.draft_per_match), spec.static_sam
+                       draft_per_match=spec.draft_per_match), static_sam
+
+
+_CORPORA: dict = {}  # (path, modification time, vocab size) -> StaticSuffixAutomaton
+
+
+def shipped_static_sam(lm: LanguageModel) -> StaticSuffixAutomaton:
+    """The suffix automaton of the draft corpus shipped for `lm` (`jaxspec.models.corpus`), built once per file:
+    what `SpecConfig(sam_source="static" | "both")` drafts from when `static_sam` is unset. ValueError where no
+    corpus is shipped for the model."""
+    path = shipped_corpus_path(lm.name)
+    key = (str(path), path.stat().st_mtime_ns, lm.config.vocab_size)
+    if key not in _CORPORA:
+        sequences, separator = load_corpus(path, lm.config.vocab_size)
+        _CORPORA[key] = StaticSuffixAutomaton.build(sequences, separator)
+    return _CORPORA[key]
 
 
 def _build_group_sam(lm, spec, shapes):

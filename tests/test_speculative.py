@@ -220,8 +220,6 @@ def test_spec_config_errors_name_the_value():
         SpecConfig(method="sam", num_speculative_tokens=4, verify_widths=(1, 4))
     with pytest.raises(ValueError, match="draft_model"):
         SpecConfig(method="draft_model")
-    with pytest.raises(ValueError, match="static_sam"):
-        SpecConfig(method="sam", sam_source="static")
 
 
 def test_generate_rejects_bad_spec_and_mismatched_draft_vocab(tiny_lm, smollm2):

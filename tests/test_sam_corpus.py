@@ -1,0 +1,103 @@
+"""Draft corpora for sam's static source: the file format, the corpus shipped for the default model, and
+`SpecConfig(sam_source="static" | "both")` drafting from it losslessly when `static_sam` is unset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import jaxspec
+from jaxspec import SpecConfig
+from jaxspec.methods import shipped_static_sam
+from jaxspec.models.corpus import CORPUS_SUFFIX, load_corpus, save_corpus, shipped_corpus_path
+from jaxspec.models.heads import WEIGHTS_DIR
+from jaxspec.train import sam_corpus
+from jaxspec.train.prompts import humaneval_split
+
+VOCAB = 97  # the tiny model's
+
+
+def test_a_corpus_file_round_trips(tmp_path):
+    path = save_corpus(tmp_path / "c.json", [[1, 2, 3], [4, 5]], separator=0, vocab_size=VOCAB,
+                       metadata={"model": "tiny"})
+    assert load_corpus(path, VOCAB) == ([[1, 2, 3], [4, 5]], 0)
+    data = json.loads(path.read_text())
+    assert (data["kind"], data["num_sequences"], data["num_tokens"], data["model"]) == ("sam_corpus", 2, 5, "tiny")
+
+
+@pytest.mark.parametrize("sequences, separator, message", [
+    ([], 0, "at least one sequence"),
+    ([[1], []], 0, "none of them empty"),
+    ([[1, VOCAB]], 0, f"token id {VOCAB} outside"),
+    ([[1, 2]], -1, "token id -1 outside"),
+    ([[1, 2.5]], 0, "must be integers"),
+])
+def test_bad_corpora_are_refused_naming_the_value(tmp_path, sequences, separator, message):
+    with pytest.raises(ValueError, match=message):
+        save_corpus(tmp_path / "c.json", sequences, separator=separator, vocab_size=VOCAB)
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps({"kind": "sam_corpus", "vocab_size": VOCAB, "separator": separator,
+                                "sequences": sequences}))
+    with pytest.raises(ValueError, match=message):
+        load_corpus(path, VOCAB)
+
+
+def test_a_file_of_another_kind_or_vocabulary_is_refused(tmp_path):
+    path = save_corpus(tmp_path / "c.json", [[1, 2]], separator=0, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="made for vocab_size=97; this model has 98"):
+        load_corpus(path, VOCAB + 1)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"kind": "draft_vocab", "ids": [1]}))
+    with pytest.raises(ValueError, match="is not a draft corpus"):
+        load_corpus(other, VOCAB)
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_corpus(tmp_path / "missing.json", VOCAB)
+
+
+def test_a_model_without_a_shipped_corpus_names_what_to_pass(tiny_lm):
+    with pytest.raises(ValueError, match="no draft corpus is shipped for model 'tiny'.*static_sam="):
+        shipped_corpus_path("tiny")
+    for source in ("static", "both"):
+        with pytest.raises(ValueError, match="no draft corpus is shipped for model 'tiny'"):
+            jaxspec.generate(tiny_lm, [[1, 2, 3]], max_new_tokens=4, spec=SpecConfig(method="sam", sam_source=source))
+
+
+@pytest.mark.usefixtures("default_model_installed")
+def test_the_default_models_corpus_holds_its_completions_of_training_prompts_only(smollm2):
+    path = shipped_corpus_path(smollm2.name)
+    assert path == WEIGHTS_DIR / f"smollm2-135m{CORPUS_SUFFIX}"
+    sequences, separator = load_corpus(path, smollm2.config.vocab_size)
+    assert separator in smollm2.tokenizer.eos_token_ids
+    train, held_out = humaneval_split()
+    text = "".join(smollm2.tokenizer.decode(s) for s in sequences)
+    assert all(p in text for p in train[:5])
+    assert not any(p in text for p in held_out)  # the benchmarks' prompts are never in it
+    assert shipped_static_sam(smollm2) is shipped_static_sam(smollm2)  # built once
+
+
+@pytest.mark.usefixtures("default_model_installed")
+def test_sam_drafts_from_the_shipped_corpus_losslessly(smollm2):
+    """Greedy: held-out prompts with the static source alone and with both equal plain decoding, and the corpus
+    drafted tokens the target accepted."""
+    _, held_out = humaneval_split()
+    prompts = held_out[1:3]
+    plain = jaxspec.generate(smollm2, prompts, max_new_tokens=40)
+    for source in ("static", "both"):
+        out = jaxspec.generate(smollm2, prompts, max_new_tokens=40, spec=SpecConfig(method="sam", sam_source=source))
+        assert out.token_ids == plain.token_ids, source
+        assert out.stats.drafted > 0 and out.stats.accepted > 0, (source, out.stats)
+
+
+@pytest.mark.usefixtures("default_model_installed")
+def test_the_corpus_command_writes_greedy_completions(tmp_path, smollm2):
+    out = tmp_path / "c.json"
+    assert sam_corpus.main(["--out", str(out), "--limit", "2", "--max-new-tokens", "6", "--batch-size", "4"]) == 0
+    sequences, separator = load_corpus(out, smollm2.config.vocab_size)
+    prompts = sam_corpus.corpus_prompts(smollm2, limit=2)
+    assert len(prompts) == len(sequences) == 4  # two of each source, code then chat
+    plain = jaxspec.generate(smollm2, prompts, max_new_tokens=6)
+    assert sequences == [smollm2.tokenizer.encode(p) + t for p, t in zip(prompts, plain.token_ids)]
+    assert json.loads(out.read_text())["sources"] == {"humaneval": 2, "chat": 2}
+    with pytest.raises(SystemExit):
+        sam_corpus.main(["--out", str(out), "--max-new-tokens", "0"])
