@@ -6,7 +6,8 @@
 
 Modules: `prompts` (HumanEval split, standard-library prompts), `data` (generation and on-disk shards),
 `batches` (resumable windows), `losses`, `evaluate`, `loop` (optimizer, step, checkpoints), `cli`, and one
-small module per head (`eagle`, `eagle3`, `medusa`).
+small module per head (`eagle`, `eagle3`, `medusa`). Beside the heads, what other drafters learn from the target:
+`draft_vocab` (the heads' frequency-ranked draft vocabulary) and `sam_corpus` (sam's static draft corpus).
 """
 
 try:  # the [train] extra; the core install (`import jaxspec`, generation) needs none of these
