@@ -33,6 +33,10 @@ CONFIGS = {
     "sam cost-aware": SpecConfig(method="sam", cost_aware=True),
     # the same with the dynamic source's suffix automaton instead of the default index (same drafts, other costs)
     "sam cost-aware automaton": SpecConfig(method="sam", cost_aware=True, sam_index="automaton"),
+    # the row's own text and the draft corpus shipped for the model (the target's completions of prompts the
+    # benchmark never asks), the longer match drafting
+    "sam both": SpecConfig(method="sam", cost_aware=False, sam_source="both"),
+    "sam both cost-aware": SpecConfig(method="sam", cost_aware=True, sam_source="both"),
 }
 DEFAULT = SpecConfig(method="sam")
 
@@ -93,7 +97,8 @@ def main(argv=None) -> int:
                 same = all([ids for ids, _ in r] == reference for r in runs)
                 spec = configs[name]
                 default = spec.method == "sam" and spec.cost_aware_at(size) == DEFAULT.cost_aware_at(size) \
-                    and spec.verify_widths == DEFAULT.verify_widths and spec.sam_index == DEFAULT.sam_index
+                    and spec.verify_widths == DEFAULT.verify_widths and spec.sam_index == DEFAULT.sam_index \
+                    and spec.sam_source == DEFAULT.sam_source
                 rounds = " ".join(f"{r / n:.2f}" for r, n in zip(rates[name], rates["none"]))
                 rows.append((workload, size, name + (" (default)" if default else ""),
                              f"{statistics.median(rates[name]):.1f}", f"{statistics.median(rates[name]) / plain:.3f}",
