@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .heads import WEIGHTS_DIR
+from .heads import WEIGHTS_DIR, read_vocab_file
 
 CORPUS_KIND = "sam_corpus"  # the `kind` a corpus file declares
 CORPUS_SUFFIX = ".sam_corpus.json"
@@ -53,15 +53,8 @@ def load_corpus(path: str | Path, vocab_size: int) -> tuple[list[list[int]], int
     """(sequences, separator) of a file written by `save_corpus`, for a model of `vocab_size` tokens; ValueError
     when it was made for another vocabulary size or is malformed."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"draft corpus {str(path)!r} cannot be read: {e}") from e
-    if not isinstance(data, dict) or data.get("kind") != CORPUS_KIND or not isinstance(data.get("sequences"), list):
-        raise ValueError(f"{str(path)!r} is not a draft corpus (python -m jaxspec.train.sam_corpus writes them)")
-    if data.get("vocab_size") != vocab_size:
-        raise ValueError(f"draft corpus {str(path)!r} was made for vocab_size={data.get('vocab_size')!r}; this "
-                         f"model has {vocab_size}")
+    data = read_vocab_file(path, CORPUS_KIND, vocab_size, "sequences", what="draft corpus",
+                           writer="jaxspec.train.sam_corpus")
     seqs, separator = data["sequences"], data.get("separator")
     _check(seqs, separator, vocab_size, str(path))
     return seqs, separator

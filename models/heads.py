@@ -313,20 +313,28 @@ def _check_ranking(ids: list[int], vocab_size: int, where: str) -> None:
         raise ValueError(f"draft vocabulary {where!r} repeats token ids: each column must map to its own id")
 
 
+def read_vocab_file(path: Path, kind: str, vocab_size: int, field: str, *, what: str, writer: str) -> dict:
+    """The JSON object of a file declaring `kind`, made for `vocab_size` tokens, whose `field` is a list (the
+    shipped files beside the heads); ValueError naming the file when it cannot be read, is of another kind (made
+    by `python -m <writer>`, it names), or was made for another vocabulary size."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} {str(path)!r} cannot be read: {e}") from e
+    if not isinstance(data, dict) or data.get("kind") != kind or not isinstance(data.get(field), list):
+        raise ValueError(f"{str(path)!r} is not a {what} (python -m {writer} writes them)")
+    if data.get("vocab_size") != vocab_size:
+        raise ValueError(f"{what} {str(path)!r} was made for vocab_size={data.get('vocab_size')!r}; "
+                         f"this model has {vocab_size}")
+    return data
+
+
 def load_draft_vocab(path: str | Path, vocab_size: int) -> np.ndarray:
     """i32[R] the ranked target ids of a file written by `save_draft_vocab`, for a target of `vocab_size`
     tokens; ValueError when it was made for another vocabulary size or is malformed."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"draft vocabulary {str(path)!r} cannot be read: {e}") from e
-    if not isinstance(data, dict) or data.get("kind") != DRAFT_VOCAB_KIND or not isinstance(data.get("ids"), list):
-        raise ValueError(f"{str(path)!r} is not a draft vocabulary (python -m jaxspec.train.draft_vocab writes them)")
-    if data.get("vocab_size") != vocab_size:
-        raise ValueError(f"draft vocabulary {str(path)!r} was made for vocab_size={data.get('vocab_size')!r}; "
-                         f"this model has {vocab_size}")
-    ids = data["ids"]
+    ids = read_vocab_file(path, DRAFT_VOCAB_KIND, vocab_size, "ids", what="draft vocabulary",
+                          writer="jaxspec.train.draft_vocab")["ids"]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"draft vocabulary {str(path)!r}: ids must be integers")
     _check_ranking(ids, vocab_size, str(path))

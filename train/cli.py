@@ -25,6 +25,19 @@ HELD_OUT_DIR, TRAIN_DIR = "heldout", "train"
 
 # ----------------------------------------------------------------------------------------- argument types
 
+def model_file_parser(prog: str, description: str | None, out_help: str) -> argparse.ArgumentParser:
+    """The parser of a command that writes one file for a target model: --model and --out (draft_vocab,
+    sam_corpus)."""
+    from jaxspec.models.loading import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="a named model, a .gguf file or a Hugging Face directory (default: %(default)s)")
+    parser.add_argument("--out", required=True, help=out_help)
+    return parser
+
+
 def _typed(kind, ok: Callable, rule: str):
     def parse(text: str):
         try:

@@ -24,7 +24,6 @@ never produced keep a sensible order. The whole vocabulary is ranked by default,
 
 from __future__ import annotations
 
-import argparse
 import ast
 import io
 import platform
@@ -179,15 +178,13 @@ def build(tokenizer, vocab_size: int, *, stdlib_root: str | Path | None = None) 
 
 def main(argv: list[str] | None = None) -> int:
     from jaxspec.models.heads import save_draft_vocab
-    from jaxspec.models.loading import DEFAULT_MODEL, load_model
+    from jaxspec.models.loading import load_model
 
-    parser = argparse.ArgumentParser(prog="python -m jaxspec.train.draft_vocab", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="a named model, a .gguf file or a Hugging Face directory (default: %(default)s)")
-    parser.add_argument("--out", required=True,
-                        help="the file to write: models/weights/<model>.draft_vocab.json ships it for a named "
-                             "model; <head>.draft_vocab.json beside your own head file serves that head")
+    from .cli import model_file_parser
+
+    parser = model_file_parser("python -m jaxspec.train.draft_vocab", __doc__,
+                               "the file to write: models/weights/<model>.draft_vocab.json ships it for a named "
+                               "model; <head>.draft_vocab.json beside your own head file serves that head")
     parser.add_argument("--size", type=int, default=None,
                         help="ids stored, most frequent first (default: the whole vocabulary, so any "
                              "draft_vocab=N up to it works)")

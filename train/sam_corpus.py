@@ -16,7 +16,6 @@ the end of the answer.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 import time
@@ -67,14 +66,12 @@ def complete(lm, prompts: Sequence[str], *, max_new_tokens: int, batch_size: int
 def main(argv: list[str] | None = None) -> int:
     from jaxspec.limits import eos_ids
     from jaxspec.models.corpus import save_corpus
-    from jaxspec.models.loading import DEFAULT_MODEL, load_model
+    from jaxspec.models.loading import load_model
 
-    parser = argparse.ArgumentParser(prog="python -m jaxspec.train.sam_corpus", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="a named model, a .gguf file or a Hugging Face directory (default: %(default)s)")
-    parser.add_argument("--out", required=True,
-                        help="the file to write: models/weights/<model>.sam_corpus.json ships it for a named model")
+    from .cli import model_file_parser
+
+    parser = model_file_parser("python -m jaxspec.train.sam_corpus", __doc__,
+                               "the file to write: models/weights/<model>.sam_corpus.json ships it for a named model")
     parser.add_argument("--sources", default=",".join(SOURCES), help="comma-separated (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per completion (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="the first N prompts of each source (default: all)")
