@@ -219,6 +219,22 @@ def test_greedy_mixed_methods_and_budgets_equal_offline(tiny_lm, request, engine
                       and engine.metrics.requests_waiting == 0)
 
 
+@pytest.mark.parametrize("source", ["static", "both"])
+def test_sam_drafts_from_a_static_corpus_in_the_engine(tiny_lm, fresh_engine, source):
+    """The engine passes a static suffix automaton to its sam rows: the corpus holds the prompts' own greedy
+    texts, so with the static source alone every draft comes from it, and outputs still equal offline."""
+    prompts = PROMPTS[4:7]
+    corpus = jaxspec.StaticSuffixAutomaton.build([p + offline(tiny_lm, p) for p in prompts], separator=0)
+    spec = dataclasses.replace(CONFIG.spec, sam_source=source, static_sam=corpus)
+    engine = fresh_engine(dataclasses.replace(CONFIG, spec=spec)).start(warmup=False)
+    results = run_all(engine, [Request(p, N, method="sam") for p in prompts])
+    for i, (p, c) in enumerate(zip(prompts, results)):
+        assert c.tokens == offline(tiny_lm, p), f"request {i}"
+        assert c.final.stats.drafted > 0 and c.final.stats.accepted > 0, (i, c.final.stats)
+    if source == "static":  # the whole text is in the corpus: every drafted token is accepted
+        assert all(c.final.stats.accepted == c.final.stats.drafted for c in results)
+
+
 def test_seeded_sampling_equals_offline(tiny_lm, fixed_engine):
     samplings = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=0.8, top_k=5, seed=12),
                  SamplingParams(temperature=0.8, top_p=0.9, seed=13), SamplingParams(),
