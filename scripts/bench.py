@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 import jaxspec
 from benchkit import machine, peer_hf, tables, workloads
+from benchkit.cli import ints
 from benchkit.timing import repeat, timer
 from jaxspec.models.loading import named_model_path
 
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
                         help="benchmark speculative decoding instead: the other arguments go to scripts/bench_spec.py")
     parser.add_argument("--heads", action="store_true",
                         help="benchmark the trained heads instead: the other arguments go to scripts/bench_heads.py")
-    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: %(default)s)")
+    parser.add_argument("--batches", type=ints, default="1,8,32", help="decode batch sizes (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default: %(default)s)")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="prefill prompt length (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default: %(default)s)")
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     long_prompt = [t for p in prompts for t in p][: args.prefill_tokens]
     report["prefill"] = bench_prefill(lm, long_prompt, args.repeats)
     report["decode"] = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    for batch in args.batches:
         row = bench_decode(lm, prompts, batch, args.new_tokens, args.repeats)
         row["x_floor"] = row["ms_per_step"] / floor_ms
         report["decode"].append(row)

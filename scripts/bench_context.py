@@ -29,6 +29,7 @@ import numpy as np
 
 import jaxspec
 from benchkit import machine, tables, workloads
+from benchkit.cli import ints
 from benchkit.timing import clocked, interleave, ratios, timer
 from jaxspec.decode import RowLimits, decode, prefill
 
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help="prompt tokens:cache slots, comma-separated; the first is the baseline "
                              "(default: %(default)s)")
-    parser.add_argument("--batches", default="1,8", help="(default: %(default)s)")
+    parser.add_argument("--batches", type=ints, default="1,8", help="(default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=48, help="decode steps timed (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--read-micro", type=int, metavar="BATCH",
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     print(f"# decode step vs cache size: {machine.line(machine.info())}; {args.new_tokens} steps, median of "
           f"{args.repeats} interleaved rounds\n")
     print(tables.head(["batch", "prompt tokens", "cache slots", "ms/step", "x first"]))
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in args.batches:
         # Every configuration compiles (its warm-up call) before any is timed.
         times = interleave({(p, s): functools.partial(step_ms, lm, tokens, p, s, batch, args.new_tokens)
                             for p, s in configs}, args.repeats)

@@ -24,6 +24,7 @@ import statistics
 import jaxspec
 from benchkit import machine, tables, workloads
 from benchkit.acceptance import pooled_acceptance_length
+from benchkit.cli import ints
 from benchkit.timing import interleave
 from jaxspec import SamplingParams, SpecConfig, cost
 
@@ -60,7 +61,7 @@ def run(lm, batch: list, spec: SpecConfig, new_tokens: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="held-out,chat")
-    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--batches", type=ints, default="1,8")
     parser.add_argument("--limit", type=int, default=8, help="prompts per workload (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     rows = []
     for workload in args.workloads.split(","):
         prompts = prompts_for(workload, lm.tokenizer, args.limit)
-        for size in (int(b) for b in args.batches.split(",")):
+        for size in args.batches:
             groups = batches_of(prompts, size)
             calls = {name: (lambda spec=spec, groups=groups: [run(lm, g, spec, args.new_tokens) for g in groups])
                      for name, spec in configs.items()}

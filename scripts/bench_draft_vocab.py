@@ -37,6 +37,7 @@ import numpy as np
 import jaxspec
 from benchkit import machine, output, tables, workloads
 from benchkit.acceptance import pooled_acceptance_length
+from benchkit.cli import ints
 from benchkit.timing import clocked, interleave, timer
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.decode import propose_once
@@ -183,7 +184,7 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="2048,4096,8192,16384",
+    parser.add_argument("--sizes", type=ints, default="2048,4096,8192,16384",
                         help="draft vocabularies N compared with the full one (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=8, help="held-out prompts (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
@@ -195,10 +196,7 @@ def main(argv=None) -> int:
                         help="which parts to run, comma-separated; coverage always runs (default: %(default)s)")
     parser.add_argument("--out-dir", default="bench_out", help="(default: %(default)s)")
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.sizes.split(",") if x]
-    except ValueError as e:
-        parser.error(f"--sizes takes comma-separated integers: {e}")
+    sizes = args.sizes
     if args.limit < 1 or args.new_tokens < 2 or args.repeats < 1 or args.rounds < 1:
         parser.error("--limit, --repeats and --rounds must be >= 1 and --new-tokens >= 2")
     parts = set(args.parts.split(","))

@@ -36,6 +36,7 @@ import jax
 
 import jaxspec
 from benchkit import machine, tables, workloads
+from benchkit.cli import ints
 from benchkit.timing import clocked, rounds
 from jaxspec.engine import Engine, EngineConfig, Request
 from jaxspec.policy import make_policy
@@ -153,7 +154,7 @@ def _prefill_calls(batches: list[int]) -> list[int]:
 
 
 def burst_main(args, lm, prompts) -> None:
-    levels = [int(b) for b in args.prefill_batches.split(",")]
+    levels = args.prefill_batches
     bursts: dict[int, Burst] = {}
     for most in levels:  # in order: each engine's warm-up compiles only what the ones before did not
         config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len, max_prefill_batch=most,
@@ -206,7 +207,7 @@ def main() -> None:
                    help="max_tokens per request (default: 96; 32 with --prefill-batches)")
     p.add_argument("--repeats", type=int, default=None,
                    help="bursts per policy, order alternating (default: 4; 3 with --prefill-batches)")
-    p.add_argument("--prefill-batches", default=None,
+    p.add_argument("--prefill-batches", type=ints, default=None,
                    help="measure burst admission instead: max_prefill_batch values, the first the baseline (e.g. 1,8)")
     p.add_argument("--policy", default="adaptive", help="the policy with --prefill-batches (default: %(default)s)")
     p.add_argument("--max-slots", type=int, default=8, help="engine slots (default: %(default)s)")

@@ -39,6 +39,7 @@ from pathlib import Path
 import jaxspec
 from benchkit import machine, output, tables, workloads
 from benchkit.acceptance import pooled_acceptance_length
+from benchkit.cli import floats, ints
 from benchkit.timing import interleave
 from jaxspec import SamplingParams, SpecConfig
 
@@ -162,39 +163,34 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (default: %(default)s)")
     parser.add_argument("--methods", default="",
                         help="comma-separated methods to run (none always runs); empty: all (default: all)")
-    parser.add_argument("--budgets", default="7,15,31",
+    parser.add_argument("--budgets", type=ints, default="7,15,31",
                         help="tree node budgets for medusa, eagle2 and eagle3 (default: %(default)s)")
-    parser.add_argument("--eagle-ks", default="3,7", help="chain lengths for eagle (default: %(default)s)")
+    parser.add_argument("--eagle-ks", type=ints, default="3,7", help="chain lengths for eagle (default: %(default)s)")
     parser.add_argument("--eagle2-trees", default="63:6:10",
                         help="more eagle2/eagle3 trees as N:depth:top_k, comma-separated; the default is the "
                              "EAGLE-2 paper's size (about 60 nodes, depth 6, top-10), whose head forwards over 10 "
                              "frontier rows cost more than the 4 of the budgets above (default: %(default)s)")
-    parser.add_argument("--cost-aware-budgets", default="15,31",
+    parser.add_argument("--cost-aware-budgets", type=ints, default="15,31",
                         help="eagle2/eagle3 budgets also run with cost-aware verify widths: each step scores the "
                              "tree's best nodes up to the width its measured c(w) favours (default: %(default)s)")
-    parser.add_argument("--temperatures", default="0,0.8", help="(default: %(default)s)")
+    parser.add_argument("--temperatures", type=floats, default="0,0.8", help="(default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved timed rounds (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default: %(default)s)")
     parser.add_argument("--out-dir", default="bench_out", help="(default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        budgets = [int(x) for x in args.budgets.split(",") if x]
-        eagle_ks = [int(x) for x in args.eagle_ks.split(",") if x]
-        cost_aware = [int(x) for x in args.cost_aware_budgets.split(",") if x]
-        temperatures = [float(x) for x in args.temperatures.split(",")]
         wide = [tuple(int(v) for v in t.split(":")) for t in args.eagle2_trees.split(",") if t]
         if any(len(t) != 3 for t in wide):
             raise ValueError(f"--eagle2-trees={args.eagle2_trees!r} needs N:depth:top_k entries")
     except ValueError as e:
-        parser.error(f"--budgets, --eagle-ks, --eagle2-trees, --cost-aware-budgets and --temperatures take "
-                     f"comma-separated numbers: {e}")
+        parser.error(f"--eagle2-trees takes comma-separated N:depth:top_k numbers: {e}")
     chosen_workloads = [w for w in args.workloads.split(",") if w]
     if not chosen_workloads or any(w not in WORKLOADS for w in chosen_workloads):
         parser.error(f"--workloads={args.workloads!r} must name some of {', '.join(WORKLOADS)}")
     if args.limit < 1 or args.new_tokens < 2 or args.repeats < 1:
         parser.error("--limit and --repeats must be >= 1 and --new-tokens >= 2")
     methods = {m for m in args.methods.split(",") if m}
-    chosen = [(label, spec) for label, spec in configs(budgets, eagle_ks, wide, cost_aware)
+    chosen = [(label, spec) for label, spec in configs(args.budgets, args.eagle_ks, wide, args.cost_aware_budgets)
               if not methods or label == "none" or label.split()[0] in methods]
 
     warn_if_few_memory_maps(len(chosen))
@@ -203,7 +199,7 @@ def main(argv=None) -> int:
                                "repeats": args.repeats, "runs": {}, "best": {}}
     for workload in chosen_workloads:
         prompts = workloads.load_workload(workload, lm.tokenizer, args.limit)
-        for temp in temperatures:
+        for temp in args.temperatures:
             key = f"{workload}, T={temp}"
             rows = side_by_side(lm, prompts, chosen, args, temp)
             for label, r in rows.items():

@@ -38,14 +38,11 @@ import numpy as np
 from jax import lax
 
 from benchkit import machine, output, tables
+from benchkit.cli import ints
 from benchkit.timing import interleave, timer
 from jaxspec.kernels.verify_attention import BlockSizes, ancestor_mask, verify_attention, verify_attention_reference
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -22,6 +22,7 @@ import numpy as np
 
 import jaxspec
 from benchkit import machine, tables, workloads
+from benchkit.cli import ints
 from benchkit.timing import clocked, interleave, ratios
 from jaxspec.decode import RowLimits, decode, prefill
 from jaxspec.methods import build_proposer
@@ -56,7 +57,7 @@ def make_run(lm, prompts: list[list[int]], new_tokens: int, spec: jaxspec.SpecCo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="1,8", help="batch sizes (default: %(default)s)")
+    p.add_argument("--batches", type=ints, default="1,8", help="batch sizes (default: %(default)s)")
     p.add_argument("--methods", default="none,sam", help="speculation methods (default: %(default)s)")
     p.add_argument("--modes", default="off,idle,L=0,L=5,L=20", help="what is recorded (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per row (default: %(default)s)")
@@ -70,7 +71,7 @@ def main() -> None:
     print(tables.head(["method", "batch", *modes]))
     for method in args.methods.split(","):
         spec = jaxspec.SpecConfig(method=method)
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch in args.batches:
             prompts = workloads.free_form_prompts(lm.tokenizer, batch)
             runs = {m: make_run(lm, prompts, args.new_tokens, spec, m) for m in modes}
             samples = interleave(runs, args.repeats)  # the warm-up call compiles each mode

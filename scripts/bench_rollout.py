@@ -42,6 +42,7 @@ import numpy as np
 
 import jaxspec
 from benchkit import machine, output, plots, tables, workloads
+from benchkit.cli import floats
 from benchkit.timing import interleave
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.config import SAM_INDEXES
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--temperatures", default="0.7,1.0")
+    parser.add_argument("--temperatures", type=floats, default="0.7,1.0")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--repeats", type=int, default=1, help="timed rounds after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
               "round(s) after a warm-up\n")
     report, sections = {"machine": info, "args": vars(args), "temperatures": {}}, [header]
     out_dir = Path(args.out)
-    for temperature in (float(t) for t in args.temperatures.split(",")):
+    for temperature in args.temperatures:
         sampling = SamplingParams(temperature=temperature)
         common = dict(num_samples=args.samples, max_new_tokens=args.new_tokens, sampling=sampling, seed=args.seed)
         earlier = jaxspec.rollout(lm, prompts, **common | {"seed": args.seed + 1000}, logprobs=False)

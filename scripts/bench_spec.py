@@ -51,6 +51,7 @@ import numpy as np
 
 import jaxspec
 from benchkit import machine, workloads
+from benchkit.cli import floats, ints
 from benchkit.spec.checks import compare_with_none, describe_greedy_none, evaluate_targets
 from benchkit.spec.configs import (
     RUNNABLE,
@@ -86,11 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "setting (default: %(default)s)")
     parser.add_argument("--self-draft-layers", type=int, default=SpecConfig.self_draft_layers,
                         help="(default: %(default)s)")
-    parser.add_argument("--batches", default="1,8", help="batches of the core configurations: none, ngram default, "
-                        "sam adaptive (default: %(default)s)")
-    parser.add_argument("--temperatures", default="0,0.8", help="0 is greedy (default: %(default)s)")
-    parser.add_argument("--sweep-batches", default="8", help="batches of the K sweep (default: %(default)s)")
-    parser.add_argument("--sweep-temperatures", default="0", help="temperatures of the K sweep (default: "
+    parser.add_argument("--batches", type=ints, default="1,8", help="batches of the core configurations: none, "
+                        "ngram default, sam adaptive (default: %(default)s)")
+    parser.add_argument("--temperatures", type=floats, default="0,0.8", help="0 is greedy (default: %(default)s)")
+    parser.add_argument("--sweep-batches", type=ints, default="8", help="batches of the K sweep (default: %(default)s)")
+    parser.add_argument("--sweep-temperatures", type=floats, default="0", help="temperatures of the K sweep (default: "
                         "%(default)s)")
     parser.add_argument("--full", action="store_true", help="the K sweep at every batch and temperature too")
     parser.add_argument("--new-tokens", type=int, default=256, help="(default: %(default)s)")
@@ -98,7 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="row i samples with seed + i (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats per run; the median is reported "
                         "(default: %(default)s)")
-    parser.add_argument("--cost-ts", default=DEFAULT_COST_TS, help="T for c(T); empty to skip (default: %(default)s)")
+    parser.add_argument("--cost-ts", type=ints, default=DEFAULT_COST_TS,
+                        help="T for c(T); empty to skip (default: %(default)s)")
     parser.add_argument("--cost-context", type=int, default=384, help="tokens cached for c(T) (default: %(default)s)")
     parser.add_argument("--cost-cache-len", type=int, default=640, help="cache slots for c(T) (default: %(default)s)")
     parser.add_argument("--cost-repeats", type=int, default=7, help="timed calls per T, round-robin over the Ts "
@@ -133,10 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_plan(args: argparse.Namespace) -> Plan:
     """The core batches and temperatures, and the sweep's (--full: the core's); every batch and temperature
     that anything runs at, the core's first."""
-    batches = [int(b) for b in args.batches.split(",") if b]
-    temperatures = [float(t) for t in args.temperatures.split(",") if t]
-    sweep_batches = batches if args.full else [int(b) for b in args.sweep_batches.split(",") if b]
-    sweep_temperatures = temperatures if args.full else [float(t) for t in args.sweep_temperatures.split(",") if t]
+    batches, temperatures = args.batches, args.temperatures
+    sweep_batches = batches if args.full else args.sweep_batches
+    sweep_temperatures = temperatures if args.full else args.sweep_temperatures
     return Plan(batches=tuple(batches + [b for b in sweep_batches if b not in batches]),
                 temperatures=tuple(temperatures + [t for t in sweep_temperatures if t not in temperatures]),
                 sweep_batches=tuple(sweep_batches), sweep_temperatures=tuple(sweep_temperatures),
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     if "none" not in methods:
         methods.insert(0, "none")  # speedups and the greedy checks are measured against it
     plan = make_plan(args)
-    core_temperatures = [float(t) for t in args.temperatures.split(",") if t]
+    core_temperatures = args.temperatures
     configs, aliases = drop_duplicates(make_configs(methods, parse_ks(args.ks), parse_ks(args.self_draft_ks),
                                                     args.self_draft_layers))
     out_json = Path(args.out)
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
           f"batches {list(plan.batches)}, temperatures {list(plan.temperatures)}, attention {attention}", flush=True)
 
     # 1. c(T)
-    cost_ts = [int(t) for t in args.cost_ts.split(",") if t]
+    cost_ts = args.cost_ts
     costs = report["cost_curve"] = cost_curves(lm, list(plan.batches), cost_ts, args.cost_context,
                                                args.cost_cache_len, args.cost_repeats,
                                                args.cost_forwards, attention) if cost_ts else {}

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 import jaxspec
 from benchkit import machine, tables, workloads
+from benchkit.cli import ints
 from benchkit.timing import clocked, interleave
 from jaxspec.decode import Draft, NoProposer, decode, prefill
 
@@ -54,12 +55,13 @@ def step_ms(lm, prepared, widths: tuple[int, ...]) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,8", help="(default: %(default)s)")
-    parser.add_argument("--widths", default="1,9,17,33", help="the speculative program's (default: %(default)s)")
+    parser.add_argument("--batches", type=ints, default="1,8", help="(default: %(default)s)")
+    parser.add_argument("--widths", type=ints, default="1,9,17,33",
+                        help="the speculative program's (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="decode steps timed (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (default: %(default)s)")
     args = parser.parse_args(argv)
-    widths = tuple(sorted(int(w) for w in args.widths.split(",")))
+    widths = tuple(sorted(args.widths))
     if widths[0] != 1 or widths[-1] > K + 1:
         parser.error(f"--widths {args.widths} must start at 1 and end at most at {K + 1}")
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     print(f"# verify-width switch with no drafts: {machine.line(machine.info())}; {args.new_tokens} steps, "
           f"median of {args.repeats} interleaved rounds\n")
     print(tables.head(["batch", "widths (1,) ms/step", f"widths {widths} ms/step", "switch / plain"]))
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in args.batches:
         # Sized for K = 32 drafts (cache and buffers), then the drafting proposer swapped for one that never does.
         prepared = jaxspec.prepare(lm, texts[:batch], max_new_tokens=args.new_tokens, ignore_eos=True,
                                    spec=jaxspec.SpecConfig(method="ngram", num_speculative_tokens=K))

@@ -36,6 +36,7 @@ from flax import nnx
 
 import jaxspec
 from benchkit import machine, tables
+from benchkit.cli import ints
 from benchkit.timing import interleave, timer
 from jaxspec.kernels import cpu as cpu_kernels
 from jaxspec.models.llama import set_matmul
@@ -181,20 +182,16 @@ def model_table(lm, batch: int, ts: list[int], impls: list[str], args) -> None:
     print(f"\n{load()}\n")
 
 
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--micro-ts", type=int_list, default=int_list("1,2,4,8,16,32"),
+    parser.add_argument("--micro-ts", type=ints, default=ints("1,2,4,8,16,32"),
                         help="columns T of the microbenchmark (default: 1,2,4,8,16,32)")
     parser.add_argument("--micro-repeats", type=int, default=30, help="(default: %(default)s)")
     parser.add_argument("--micro-loops", type=int, default=5, help="passes per timed call (default: %(default)s)")
-    parser.add_argument("--batch1-ts", type=int_list,
-                        default=int_list("1,2,3,4,5,6,7,8,9,12,16,17,24,32,33"),
+    parser.add_argument("--batch1-ts", type=ints,
+                        default=ints("1,2,3,4,5,6,7,8,9,12,16,17,24,32,33"),
                         help="T at batch 1 (default: 1-9,12,16,17,24,32,33)")
-    parser.add_argument("--batch8-ts", type=int_list, default=int_list("1,5,9,17"),
+    parser.add_argument("--batch8-ts", type=ints, default=ints("1,5,9,17"),
                         help="T at batch 8 (default: 1,5,9,17; empty: skip)")
     parser.add_argument("--impls", default="xla,auto",
                         help="matmul paths compared in c(T): xla, auto, ffi (default: %(default)s)")

@@ -16,12 +16,24 @@ SCRIPTS = REPO / "scripts"
 # test. Appended, so nothing in scripts/ can shadow an installed module for the rest of the session.
 sys.path.append(str(SCRIPTS))
 
-from benchkit import machine, tables, timing, trace, workloads  # noqa: E402
+from benchkit import cli, machine, tables, timing, trace, workloads  # noqa: E402
 from benchkit.acceptance import pooled_acceptance_length  # noqa: E402
 
 # Each benchmark script and the demo, and bench.py's two pass-throughs to other scripts.
 HELP_COMMANDS = {p.name: [p.name] for p in sorted(SCRIPTS.glob("bench*.py"))} | {
     "demo.py": ["demo.py"], "bench.py --spec": ["bench.py", "--spec"], "bench.py --heads": ["bench.py", "--heads"]}
+
+
+# ------------------------------------------------------------------------------------------------ cli
+
+def test_comma_lists_parse_as_option_types():
+    import bench_kernel
+
+    assert cli.ints("1,,8") == [1, 8] and cli.ints("") == [] and cli.floats("0,0.8") == [0.0, 0.8]
+    assert bench_kernel.parse_args([]).batches == [1, 8, 32]
+    assert bench_kernel.parse_args(["--batches", "2,4"]).batches == [2, 4]
+    with pytest.raises(SystemExit):  # argparse names the option and exits
+        bench_kernel.parse_args(["--batches", "one"])
 
 
 # ------------------------------------------------------------------------------------------------ tables
