@@ -14,6 +14,7 @@ shared and noisy), mean acceptance length and the c(w) tables measured.
     python scripts/bench_cost_aware.py                       # batch 1 and 8, 8 prompts per workload
     python scripts/bench_cost_aware.py --batches 1 --limit 4 --new-tokens 64 --repeats 2
     python scripts/bench_cost_aware.py --batches 1 --configs "sam narrowest width" --sam-widths "1,5,9,17"
+    python scripts/bench_cost_aware.py --batches 1 --configs "sam narrowest width" --sam-lookup "2:2.0:1,5,9,17"
 """
 
 from __future__ import annotations
@@ -66,17 +67,29 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which of the configurations to run; none "
-                        "always runs (default: %(default)s)")
+                        "always runs, and '' runs only the --sam-widths and --sam-lookup ones (default: %(default)s)")
     parser.add_argument("--sam-widths", default="", help="more sam configurations at other verify widths, each "
                         "run by the narrowest-width rule: width sets separated by ';', e.g. '1,5,9,17;1,9'")
+    parser.add_argument("--sam-lookup", default="", help="more sam configurations with other draft-length rules, "
+                        "widths chosen as by default (the narrowest at one row, by cost above): "
+                        "MIN_MATCH:DRAFT_PER_MATCH:WIDTHS separated by ';', e.g. "
+                        "'2:2.0:1,5,9,17;3:inf:1,9,17' (the default is 4:1.0:1,9,17)")
     args = parser.parse_args(argv)
-    chosen = args.configs.split(",")
+    chosen = [c for c in args.configs.split(",") if c]
     if unknown := set(chosen) - set(CONFIGS):
         parser.error(f"--configs names {sorted(unknown)}; the configurations are {sorted(CONFIGS)}")
     configs = {name: spec for name, spec in CONFIGS.items() if name == "none" or name in chosen}
     for text in filter(None, args.sam_widths.split(";")):
         widths = tuple(int(w) for w in text.split(","))
         configs[f"sam widths {widths}"] = SpecConfig(method="sam", cost_aware=False, verify_widths=widths)
+    for text in filter(None, args.sam_lookup.split(";")):
+        try:
+            min_match, per_match, widths = text.split(":")
+            spec = SpecConfig(method="sam", min_match=int(min_match),
+                              draft_per_match=float(per_match), verify_widths=tuple(ints(widths)))
+        except ValueError as e:
+            parser.error(f"--sam-lookup {text!r}: {e}")
+        configs[f"sam min_match {spec.min_match}, per match {spec.draft_per_match}, widths {spec.verify_widths}"] = spec
 
     lm = jaxspec.load_model()
     print(machine.line(machine.info()))
@@ -99,7 +112,8 @@ def main(argv=None) -> int:
                 spec = configs[name]
                 default = spec.method == "sam" and spec.cost_aware_at(size) == DEFAULT.cost_aware_at(size) \
                     and spec.verify_widths == DEFAULT.verify_widths and spec.sam_index == DEFAULT.sam_index \
-                    and spec.sam_source == DEFAULT.sam_source
+                    and spec.sam_source == DEFAULT.sam_source and spec.min_match == DEFAULT.min_match \
+                    and spec.draft_per_match == DEFAULT.draft_per_match
                 rounds = " ".join(f"{r / n:.2f}" for r, n in zip(rates[name], rates["none"]))
                 rows.append((workload, size, name + (" (default)" if default else ""),
                              f"{statistics.median(rates[name]):.1f}", f"{statistics.median(rates[name]) / plain:.3f}",

@@ -36,6 +36,22 @@ def test_comma_lists_parse_as_option_types():
         bench_kernel.parse_args(["--batches", "one"])
 
 
+def test_lookup_rules_replay_prices_a_rule_on_a_known_text():
+    """bench_lookup_rules replays a greedy text: with no drafts every token is a plain step; on a text that repeats
+    its prompt, drafts are accepted, steps fall and the cost follows the widths the drafts needed."""
+    import bench_lookup_rules as lr
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    out = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]  # the target's greedy text repeats the prompt
+    replay = lr.Replay([prompt], [out], capacity=32)
+    costs = lr.parse_costs("1:1.0,5:1.2,9:1.4,17:1.6")
+    assert replay.price(0, 99, 2.0, (1, 9, 17), costs) == (9, 9.0, 9)  # min_match never reached: plain steps
+    tokens, cost, steps = replay.price(0, 1, math.inf, (1, 5, 9, 17), costs)
+    assert tokens == 9 and steps < 9 and cost < 9.0
+    # after the first token (5 matched once), the rest of the prompt is drafted and accepted in one step
+    assert replay.draft(0, 1)[1] >= 1 and list(replay.draft(0, 1)[0][:7]) == prompt[1:]
+
+
 # ------------------------------------------------------------------------------------------------ tables
 
 def test_markdown_table():

@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Draft-length rules for sam's dynamic source, priced by replaying the target's own greedy text (default model).
+
+Greedy speculative decoding commits exactly the target's greedy text, so how a rule would fare can be replayed
+without the target: at each step the row's text is a prefix of that text, the source drafts from it, the drafts
+accepted are those equal to the text's next tokens, and the step costs c(w) plain steps for the verify width w it
+needed. A rule is (min_match, draft_per_match, verify widths): nothing drafted below min_match matched tokens, at most
+ceil(draft_per_match x match length) tokens, scored at the narrowest width holding them (the one-row rule). This
+prices dozens of rules in a minute where an end-to-end run takes a quarter of an hour per rule; it leaves out what a
+step costs beside the forward (drafting, the loop's switch), so confirm the choice end to end
+(`bench_cost_aware.py --sam-lookup`).
+
+The prompts are tuning prompts: standard-library function heads completed as code and asked about in a chat
+(jaxspec.train.prompts.stdlib_prompts), neither held out for the benchmarks nor in the shipped draft corpus.
+
+    python scripts/bench_lookup_rules.py                                # 12 prompts of each kind, 100 rules
+    python scripts/bench_lookup_rules.py --limit 4 --min-matches 2,4 --per-match 1,2 --widths "1,9,17"
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec
+from benchkit import machine, tables
+from benchkit.cli import floats, ints
+from benchkit.workloads import chat_ask
+from jaxspec import SamplingParams, SpecConfig
+from jaxspec.proposers import suffix_match
+
+# c(w), plain steps per verify forward at one row (session 29's stored table: 256-slot cache, 128 tokens cached)
+DEFAULT_COSTS = "1:1.0,2:0.96,3:1.01,5:1.22,9:1.36,17:1.60"
+K = 16  # sam's drafts per step
+
+
+def parse_costs(text: str) -> dict[int, float]:
+    """"1:1.0,9:1.36" -> {1: 1.0, 9: 1.36}."""
+    return {int(w): float(c) for w, c in (item.split(":") for item in text.split(",") if item)}
+
+
+def tuning_prompts(lm, limit: int) -> dict[str, list[list[int]]]:
+    from jaxspec.train.prompts import stdlib_prompts  # jaxspec.train needs the [train] extra
+
+    codes = stdlib_prompts(limit)
+    chats = [lm.tokenizer.apply_chat_template([{"role": "user", "content": chat_ask(c)}], add_generation_prompt=True)
+             for c in codes]
+    return {"code": [lm.tokenizer.encode(t) for t in codes], "chat": [lm.tokenizer.encode(t) for t in chats]}
+
+
+class Replay:
+    """The dynamic source's draft for each prefix of each text, computed once (the drafts depend only on the text)."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], capacity: int):
+        self.prompts, self.outputs, self.capacity = prompts, outputs, capacity
+        self._drafts: dict[tuple[int, int], tuple[np.ndarray, int, int]] = {}
+        self._draft = jax.jit(lambda h, n: suffix_match.draft_batch(suffix_match.build_batch(h, n, capacity), K))
+
+    def draft(self, row: int, done: int) -> tuple[np.ndarray, int, int]:
+        """(tokens [K], match length, tokens available) after the prompt and `done` output tokens."""
+        if (row, done) not in self._drafts:
+            text = self.prompts[row] + self.outputs[row][:done]
+            history = jnp.asarray([text + [0] * (self.capacity - len(text))], jnp.int32)
+            tokens, match, available = self._draft(history, jnp.asarray([len(text)], jnp.int32))
+            self._drafts[row, done] = (np.asarray(tokens[0]), int(match[0]), int(available[0]))
+        return self._drafts[row, done]
+
+    def price(self, row: int, min_match: int, per_match: float, widths: tuple[int, ...],
+              costs: dict[int, float]) -> tuple[int, float, int]:
+        """(tokens the loop made, their cost in plain steps, steps) for one row under one rule."""
+        out = self.outputs[row]
+        done, cost, steps = 1, 0.0, 0  # the first token comes from prefill
+        while done < len(out):
+            tokens, match, available = self.draft(row, done)
+            n = 0
+            if match >= min_match:
+                n = min(available, K, max(widths) - 1)
+                if math.isfinite(per_match):
+                    n = min(n, math.ceil(per_match * match))
+            accepted = 0
+            while accepted < n and done + accepted < len(out) and tokens[accepted] == out[done + accepted]:
+                accepted += 1
+            cost += costs[min(w for w in widths if w >= n + 1)]
+            steps += 1
+            done += accepted + 1
+        return len(out) - 1, cost, steps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limit", type=int, default=12, help="tuning prompts of each kind (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument("--costs", type=parse_costs, default=DEFAULT_COSTS,
+                        help="c(w) per verify width, w:c pairs; every width of --widths needs one (default: "
+                             "%(default)s)")
+    parser.add_argument("--min-matches", type=ints, default="2,3,4,5,6", help="(default: %(default)s)")
+    parser.add_argument("--per-match", type=floats, default="0.5,1,1.5,2,inf", help="(default: %(default)s)")
+    parser.add_argument("--widths", default="1,9,17;1,5,9,17;1,3,5,9,17;1,9",
+                        help="verify width sets separated by ';' (default: %(default)s)")
+    args = parser.parse_args(argv)
+    width_sets = [tuple(ints(t)) for t in args.widths.split(";") if t]
+    if missing := {w for ws in width_sets for w in ws} - set(args.costs):
+        parser.error(f"--costs has no c(w) for widths {sorted(missing)}")
+    if args.limit < 1 or args.new_tokens < 2:
+        parser.error("--limit must be >= 1 and --new-tokens >= 2")
+
+    lm = jaxspec.load_model()
+    print(machine.line(machine.info()))
+    default = SpecConfig(method="sam")
+    replays = {}
+    for kind, prompts in tuning_prompts(lm, args.limit).items():
+        outputs = []
+        for i in range(0, len(prompts), 4):
+            outputs += jaxspec.generate(lm, prompts[i: i + 4], max_new_tokens=args.new_tokens,
+                                        sampling=SamplingParams(temperature=0.0)).token_ids
+        capacity = max(len(p) for p in prompts) + args.new_tokens
+        replays[kind] = Replay(prompts, outputs, capacity)
+    print(f"greedy, {args.new_tokens} new tokens, {args.limit} tuning prompts of each kind; c(w): {args.costs}\n")
+
+    rows = []
+    for min_match, per_match, widths in itertools.product(args.min_matches, args.per_match, width_sets):
+        cells = []
+        for replay in replays.values():
+            priced = [replay.price(r, min_match, per_match, widths, args.costs) for r in range(len(replay.outputs))]
+            tokens, cost, steps = (sum(p[i] for p in priced) for i in range(3))
+            cells += [f"{tokens / cost:.3f}", f"{tokens / steps:.2f}"]
+        is_default = (min_match, per_match, widths) == (default.min_match, default.draft_per_match,
+                                                        default.verify_widths)
+        rows.append([min_match, per_match, widths, *cells, "yes" if is_default else ""])
+    rows.sort(key=lambda r: -float(r[3]))
+    print(tables.markdown(["min_match", "per match", "widths", *(f"{k} {m}" for k in replays for m in
+                                                               ("vs none", "tokens/step")), "default"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
