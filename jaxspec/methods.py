@@ -230,11 +230,14 @@ def _defaults(**settings) -> Mapping[str, Any]:
 # (docs/BENCHMARKS.md): scoring T new tokens costs c(T) plain steps, so a draft pays only when its expected accepted run
 # beats c(T) - 1, and the matched suffix length predicts the run. Nothing is drafted below `min_match` tokens, at most
 # `draft_per_match` x the match length above it, and each step runs the narrowest verify width holding the batch's
-# longest draft (at one row; above one, the width the measured costs favour, `SpecConfig.cost_aware`). Widths 2-8 were
-# left out because at batch 1 XLA:CPU runs a forward over 2-5 new tokens at 3-4x the cost of one token but over 9 tokens
-# at ~1.3x (measured, docs/BENCHMARKS.md), so K = 8 and 16 were the cheap ones; with the CPU matmul kernel
-# (docs/cpu-performance.md) c(2-5) is 1.0-1.4 and rises with T. Widths 3 and 5 beside 9 and 17 beat these at one row in
-# two runs and lost in a third (within the rounds' spread; docs/BENCHMARKS.md), so they were not adopted.
+# longest draft (at one row; above one, the width the measured costs favour, `SpecConfig.cost_aware`). The rule was
+# first tuned on XLA's own forward, where 2-5 new tokens cost 3-4 plain steps and 9 about 1.3 (min_match 4, one draft
+# per matched token, widths 9 and 17). With the CPU matmul kernel (docs/cpu-performance.md) c(2) to c(17) run 0.96 to
+# 1.6, so short matches pay: replaying the target's greedy text on tuning prompts (scripts/bench_lookup_rules.py) priced
+# rules, and a draft from a single matched token, two drafts per matched token, widths 1, 3, 5, 9, 17 came first
+# (modelled 2.04x plain decoding's speed against the old rule's 1.63x on code, 2.43x against 2.00x on chat). End to end
+# on held-out prompts it ran 1.99x against 1.61x on code and 1.54x against 1.35x on chat at one row, and 1.03x against
+# 0.96x and 1.07x against 1.03x at eight rows (widths by cost; docs/BENCHMARKS.md).
 # Trained heads: K counts drafted tokens (eagle, a chain) or tree nodes (medusa, eagle2); 7 and 15 make verify widths 8
 # and 16, which XLA:CPU runs at 1.5-1.8 plain steps at batch 1. They draft over the 4096 most frequent tokens
 # (`draft_vocab`, FR-Spec): over the full 49152-wide LM head an EAGLE drafting pass costs 1.2-1.5 plain steps, over 4096
@@ -250,8 +253,8 @@ _ALL = (
     Method("ngram", "lookup", "prompt lookup: continue the newest n-gram's earlier occurrence", _build_ngram,
            served=True, defaults=_defaults(num_speculative_tokens=8, min_match=2, draft_per_match=math.inf)),
     Method("sam", "lookup", "suffix automaton over the row's text (and a static corpus): adaptive draft length",
-           _build_sam, served=True, defaults=_defaults(num_speculative_tokens=16, min_match=4, draft_per_match=1.0,
-                                                       verify_widths=(1, 9, 17))),
+           _build_sam, served=True, defaults=_defaults(num_speculative_tokens=16, min_match=1, draft_per_match=2.0,
+                                                       verify_widths=(1, 3, 5, 9, 17))),
     # Rollouts (jaxspec.rollout): a row drafts from every sample of its prompt. Verify widths 3 and 5 let the
     # rollout's tail policy speculate a little at batch sizes where width 9 does not pay yet.
     Method("group_sam", "lookup", "longest suffix match over every sample of the row's prompt group (rollouts)",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the loop's switch over verify widths costs when nobody drafts (default model).
 
-A speculative loop compiles a `lax.switch` over its verify widths (sam: 1, 9, 17; predicted outputs: up to
+A speculative loop compiles a `lax.switch` over its verify widths (sam: 1, 3, 5, 9, 17; predicted outputs: up to
 33 or 65) so that a step with no drafts runs the one-token forward. That step should cost what a plain step
 costs. Here a proposer with K = 32 that never drafts runs the jitted decode loop twice on the same prefilled
 HumanEval rows: compiled with widths (1,) alone (the plain program) and with `--widths` (the speculative one),
