@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         parser.error(f"--configs names {sorted(unknown)}; the configurations are {sorted(CONFIGS)}")
     configs = {name: spec for name, spec in CONFIGS.items() if name == "none" or name in chosen}
     for text in filter(None, args.sam_widths.split(";")):
-        widths = tuple(int(w) for w in text.split(","))
+        widths = tuple(ints(text))
         configs[f"sam widths {widths}"] = SpecConfig(method="sam", cost_aware=False, verify_widths=widths)
     for text in filter(None, args.sam_lookup.split(";")):
         try:

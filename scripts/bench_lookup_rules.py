@@ -20,8 +20,8 @@ The prompts are tuning prompts: standard-library function heads completed as cod
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,9 @@ from benchkit import machine, tables
 from benchkit.cli import floats, ints
 from benchkit.workloads import chat_ask
 from jaxspec import SamplingParams, SpecConfig
+from jaxspec.cost import narrowest_holding
 from jaxspec.proposers import suffix_match
+from jaxspec.proposers.base import lookup_draft_count
 
 # c(w), plain steps per verify forward at one row (session 29's stored table: 256-slot cache, 128 tokens cached)
 DEFAULT_COSTS = "1:1.0,2:0.96,3:1.01,5:1.22,9:1.36,17:1.60"
@@ -51,6 +53,14 @@ def tuning_prompts(lm, limit: int) -> dict[str, list[list[int]]]:
     chats = [lm.tokenizer.apply_chat_template([{"role": "user", "content": chat_ask(c)}], add_generation_prompt=True)
              for c in codes]
     return {"code": [lm.tokenizer.encode(t) for t in codes], "chat": [lm.tokenizer.encode(t) for t in chats]}
+
+
+@functools.partial(jax.jit, static_argnames=("min_match", "per_match", "widths"))
+def _plan(match: jax.Array, available: jax.Array, *, min_match: int, per_match: float, widths: tuple[int, ...]):
+    """(drafts, verify width) of one row's step, by the loop's own rules: the lookup proposers' draft count and the
+    narrowest width holding it."""
+    num = lookup_draft_count(match[None], available[None], jnp.full((1,), widths[-1] - 1), K, min_match, per_match)
+    return num[0], jnp.asarray(widths)[narrowest_holding(widths, num)]
 
 
 class Replay:
@@ -77,15 +87,12 @@ class Replay:
         done, cost, steps = 1, 0.0, 0  # the first token comes from prefill
         while done < len(out):
             tokens, match, available = self.draft(row, done)
-            n = 0
-            if match >= min_match:
-                n = min(available, K, max(widths) - 1)
-                if math.isfinite(per_match):
-                    n = min(n, math.ceil(per_match * match))
+            n, width = map(int, _plan(jnp.int32(match), jnp.int32(available), min_match=min_match,
+                                      per_match=per_match, widths=widths))
             accepted = 0
             while accepted < n and done + accepted < len(out) and tokens[accepted] == out[done + accepted]:
                 accepted += 1
-            cost += costs[min(w for w in widths if w >= n + 1)]
+            cost += costs[width]
             steps += 1
             done += accepted + 1
         return len(out) - 1, cost, steps
