@@ -52,6 +52,25 @@ def test_lookup_rules_replay_prices_a_rule_on_a_known_text():
     assert replay.draft(0, 1)[1] >= 1 and list(replay.draft(0, 1)[0][:7]) == prompt[1:]
 
 
+def test_lookup_rules_replay_prices_the_corpus_beside_the_row_text():
+    """With a static corpus that holds the target's text, the corpus drafts where the row's own text has no match,
+    and a corpus threshold above every match turns it off again."""
+    import bench_lookup_rules as lr
+    from jaxspec import StaticSuffixAutomaton
+
+    prompt = [3, 4]
+    out = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]  # never repeats itself
+    corpus = StaticSuffixAutomaton.build([[7, 7], [3, 4, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]], separator=1)
+    replay = lr.Replay([prompt], [out], capacity=32, static_sam=corpus)
+    costs = lr.parse_costs("1:1.0,3:1.1,5:1.2,9:1.4,17:1.6")
+    rule = (1, math.inf, (1, 3, 5, 9, 17), costs)
+    assert replay.price(0, *rule) == (9, 9.0, 9)  # the row's own text alone: nothing to draft
+    tokens, cost, steps = replay.price(0, *rule, static_min_match=1)
+    assert tokens == 9 and steps == 1 and cost == 1.6  # the corpus continues "3 4 20" to the end: one width-17 step
+    assert replay.draft(0, 1, corpus=True)[1] == 3  # matched "3 4 20"
+    assert replay.price(0, *rule, static_min_match=99) == (9, 9.0, 9)
+
+
 # ------------------------------------------------------------------------------------------------ tables
 
 def test_markdown_table():
