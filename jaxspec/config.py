@@ -212,7 +212,7 @@ class SamplingParams:
         return jnp.asarray(np.broadcast_to(arr, (batch,)))
 
 
-SamSource = Literal["dynamic", "static", "both"]
+SamSource = Literal["auto", "dynamic", "static", "both"]
 SamIndex = Literal["auto", "match", "automaton"]
 SAM_INDEXES = get_args(SamIndex)
 
@@ -275,7 +275,14 @@ class SpecConfig:
     min_match: int | None = None
     draft_per_match: float | None = None
     ngram_max: int = 4  # prompt lookup tries n-grams of ngram_max .. min_match tokens
-    sam_source: SamSource = "dynamic"
+    # Where sam drafts from: "dynamic" (the row's own text), "static" (a corpus: `static_sam`, or the one shipped for
+    # the model), "both" (the longer match drafts), or "auto" (the default): "both" where `static_sam` is given or,
+    # on a CPU, a corpus is shipped for the model, else "dynamic" (`jaxspec.methods.sam_source_for`). On a 2-core
+    # CPU the shipped corpus raised sam from 1.72x to 1.79x plain decoding's speed on held-out code at one row,
+    # 1.53x to 1.87x on chat, and 0.97x to 1.11x on code at eight rows, where the batch waits for the row that
+    # drafts least (docs/BENCHMARKS.md). Its matching walks suffix links in data-dependent loops, a kernel launch
+    # per iteration on a GPU, where it has not been measured.
+    sam_source: SamSource = "auto"
     # How the dynamic source finds the longest earlier occurrence of a row's suffix: "automaton" (a suffix
     # automaton extended token by token in data-dependent loops), "match" (a match-length array updated by
     # comparing, a fixed number of array operations per step), or "auto": "match" on accelerators, where each
@@ -298,7 +305,8 @@ class SpecConfig:
     # call of a shape pays for the measurement (45 s for SmolLM2 at 8 rows on a 2-core CPU: compiling and
     # timing six widths' forwards); JAXSPEC_VERIFY_COST=off switches it off. EAGLE-2 and EAGLE-3 trees (drafted
     # best node first) choose by cost at one row too: scoring only the nodes the cost repays ran 1.08-1.19x plain
-    # decoding's speed at one row against 0.93-1.10x for the whole 15-node tree (docs/BENCHMARKS.md).
+    # decoding's speed at one row against 0.93-1.10x for the whole 15-node tree (docs/BENCHMARKS.md). So does
+    # sam drafting from a corpus: at one row, 1.79x against 1.74x on code and 1.87x against 1.67x on chat.
     cost_aware: bool | None = None
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
     # medusa / eagle / eagle2 / eagle3: the trained head's file (jaxspec.models.heads.save_head); None takes the
@@ -369,8 +377,8 @@ class SpecConfig:
             raise ValueError(f"draft_per_match={self.draft_per_match!r} must be > 0 (math.inf: no cap)")
         if self.ngram_max < self.min_match:
             raise ValueError(f"ngram_max={self.ngram_max!r} must be >= min_match={self.min_match!r}")
-        if self.sam_source not in ("dynamic", "static", "both"):
-            raise ValueError(f"sam_source={self.sam_source!r} must be 'dynamic', 'static' or 'both'")
+        if self.sam_source not in ("auto", "dynamic", "static", "both"):
+            raise ValueError(f"sam_source={self.sam_source!r} must be 'auto', 'dynamic', 'static' or 'both'")
         if self.sam_index not in SAM_INDEXES:
             raise ValueError(f"sam_index={self.sam_index!r} must be one of {SAM_INDEXES}")
         if self.method == "draft_model" and self.draft_model is None:
@@ -414,10 +422,11 @@ class SpecConfig:
             raise ValueError(f"verify_widths={widths!r} must be >= 1 and end at num_speculative_tokens + 1 = {k + 1}")
         object.__setattr__(self, "verify_widths", tuple(sorted(set(widths))))
 
-    def cost_aware_at(self, batch: int, ranked_tree: bool = False) -> bool:
+    def cost_aware_at(self, batch: int, ranked_tree: bool = False, corpus: bool = False) -> bool:
         """Whether a batch of `batch` rows chooses each step's verify width by measured cost (`cost_aware`;
-        None means above one row, and at every batch size for a tree drafted best node first)."""
-        return (batch > 1 or ranked_tree) if self.cost_aware is None else bool(self.cost_aware)
+        None means above one row, and at every batch size for a tree drafted best node first and for drafts
+        from a static corpus, whose long matches are weaker evidence than the row's own text)."""
+        return (batch > 1 or ranked_tree or corpus) if self.cost_aware is None else bool(self.cost_aware)
 
     @classmethod
     def adaptive_sam(cls, **overrides) -> "SpecConfig":

@@ -24,7 +24,7 @@ from .logprobs import TokenLogprob, to_host
 from .methods import build_proposer
 from .models.loading import LanguageModel
 from .penalties import any_penalty
-from .proposers.base import Draft, Proposer, drafts_chains, ranks_tree_nodes
+from .proposers.base import Draft, Proposer, drafts_chains, drafts_from_corpus, ranks_tree_nodes
 from .shapes import CACHE_ALIGN, bucket_shapes, widths_for_cost_choice, widths_for_forced_text, widths_for_long_drafts
 from .text import TextStream
 
@@ -446,6 +446,7 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     proposer, proposer_params = build_proposer(lm, req.spec, prompt_width=width, buffer_len=buffer_len,
                                                cache_len=cache_len)
     widths = req.spec.verify_widths
+    corpus = drafts_from_corpus(proposer)  # before a wrapper hides it
     if req.predictions is not None:
         proposer = predicted.wrap(proposer, req.spec, req.predictions)
     if req.constraint is not None:
@@ -457,7 +458,7 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     verify_cost = None
     # Chains, and trees drafted best node first; the loop would ignore another tree's table.
     ranked = ranks_tree_nodes(proposer)
-    if ((drafts_chains(proposer) or ranked) and req.spec.cost_aware_at(batch, ranked) and len(widths) > 1
+    if ((drafts_chains(proposer) or ranked) and req.spec.cost_aware_at(batch, ranked, corpus) and len(widths) > 1
             and cost.enabled()):
         widths = widths_for_cost_choice(widths, proposer.num_speculative_tokens, tree=ranked)
         # Costs at a cache about half filled with output, the middle of the run, rounded down to the cache's

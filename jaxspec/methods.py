@@ -14,11 +14,12 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
+import jax
 from flax import nnx
 
 from .decode import NoProposer
 from .graphdefs import hashed
-from .models.corpus import load_corpus, shipped_corpus_path
+from .models.corpus import has_shipped_corpus, load_corpus, shipped_corpus_path
 from .models.heads import Readout, draft_vocab_path, load_draft_vocab, load_head, named_head_path
 from .models.loading import LanguageModel
 from .proposers.base import Proposer
@@ -95,13 +96,25 @@ def _check_static_sam(lm: LanguageModel, static_sam) -> None:
                          f"must come from the vocabulary of {lm.name!r}")
 
 
+def sam_source_for(lm: LanguageModel, spec) -> str:
+    """The source sam drafts from for `lm`: `spec.sam_source`, with "auto" resolved to "both" where a corpus is
+    at hand (`static_sam` given, or on a CPU one shipped for the model) and to "dynamic" elsewhere. The static
+    source's matching walks suffix links in data-dependent loops, each iteration a kernel launch on an
+    accelerator, where the corpus has not been measured; on a CPU it paid at one row and at eight."""
+    if spec.sam_source != "auto":
+        return spec.sam_source
+    if spec.static_sam is not None or (jax.default_backend() == "cpu" and has_shipped_corpus(lm.name)):
+        return "both"
+    return "dynamic"
+
+
 def _build_sam(lm, spec, shapes):
-    static_sam = spec.static_sam
-    if spec.sam_source != "dynamic":
+    source, static_sam = sam_source_for(lm, spec), spec.static_sam
+    if source != "dynamic":
         static_sam = shipped_static_sam(lm) if static_sam is None else static_sam
         _check_static_sam(lm, static_sam)
     return SamProposer(spec.num_speculative_tokens, max_text_len=shapes.prompt_width + shapes.buffer_len,
-                       source=spec.sam_source, index=spec.sam_index, min_match=spec.min_match,
+                       source=source, index=spec.sam_index, min_match=spec.min_match,
                        draft_per_match=spec.draft_per_match), static_sam
 
 

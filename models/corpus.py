@@ -21,10 +21,15 @@ CORPUS_KIND = "sam_corpus"  # the `kind` a corpus file declares
 CORPUS_SUFFIX = ".sam_corpus.json"
 
 
+def has_shipped_corpus(model_name: str) -> bool:
+    """Whether a corpus is shipped for the named model (a model loaded from a path has none)."""
+    return Path(model_name).name == model_name and (WEIGHTS_DIR / f"{model_name}{CORPUS_SUFFIX}").exists()
+
+
 def shipped_corpus_path(model_name: str) -> Path:
     """The corpus shipped for the named model; ValueError saying how to make one when there is none."""
     path = WEIGHTS_DIR / f"{model_name}{CORPUS_SUFFIX}"
-    if Path(model_name).name != model_name or not path.exists():  # a model loaded from a path has none shipped
+    if not has_shipped_corpus(model_name):
         raise ValueError(f"sam_source needs a corpus: static_sam is unset and no draft corpus is shipped for model "
                          f"{model_name!r}; pass static_sam=jaxspec.StaticSuffixAutomaton.build(...) or write one "
                          f"with `python -m jaxspec.train.sam_corpus --model ... --out ...` and load it "

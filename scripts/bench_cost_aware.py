@@ -4,8 +4,11 @@
 `SpecConfig(method="sam", cost_aware=False)` verifies each step at the narrowest compiled width holding the
 batch's longest draft; `cost_aware=True` measures the cost c(w) of each width (its own and the narrow ones of
 `jaxspec.shapes.COST_CHOICE_WIDTHS`) for the batch's shapes and runs the width maximising expected committed
-tokens per unit of cost from each row's running acceptance (jaxspec.cost). The default, `cost_aware=None`, is
-the first at one row and the second above; the table marks it. Both against plain decoding, greedy,
+tokens per unit of cost from each row's running acceptance (jaxspec.cost). Each rule runs with sam drafting from the
+row's own text alone (`sam_source="dynamic"`) and with the draft corpus shipped for the model beside it ("both").
+The default (`sam_source="auto"`, `cost_aware=None`) is "both" by cost at every batch size on a CPU, and the row's
+text alone, narrowest width at one row and by cost above, elsewhere; the table marks it. The `--sam-widths` and
+`--sam-lookup` rules take the default source. All against plain decoding, greedy,
 interleaved over `--repeats` rounds, on the HumanEval prompts held out from head training, completed as code
 ("held-out") and asked about in a chat ("chat"). Outputs must be identical to plain decoding's; the table
 reports decode tokens/s relative to `none` (median over rounds, and each round's ratio: this machine is
@@ -28,15 +31,18 @@ from benchkit.acceptance import pooled_acceptance_length
 from benchkit.cli import ints
 from benchkit.timing import interleave
 from jaxspec import SamplingParams, SpecConfig, cost
+from jaxspec.methods import sam_source_for
 
 CONFIGS = {
     "none": SpecConfig(),
-    "sam narrowest width": SpecConfig(method="sam", cost_aware=False),
-    "sam cost-aware": SpecConfig(method="sam", cost_aware=True),
+    # the row's own text alone
+    "sam narrowest width": SpecConfig(method="sam", cost_aware=False, sam_source="dynamic"),
+    "sam cost-aware": SpecConfig(method="sam", cost_aware=True, sam_source="dynamic"),
     # the same with the dynamic source's suffix automaton instead of the default index (same drafts, other costs)
-    "sam cost-aware automaton": SpecConfig(method="sam", cost_aware=True, sam_index="automaton"),
+    "sam cost-aware automaton": SpecConfig(method="sam", cost_aware=True, sam_source="dynamic",
+                                           sam_index="automaton"),
     # the row's own text and the draft corpus shipped for the model (the target's completions of prompts the
-    # benchmark never asks), the longer match drafting
+    # benchmark never asks), the longer match drafting: the default on a CPU
     "sam both": SpecConfig(method="sam", cost_aware=False, sam_source="both"),
     "sam both cost-aware": SpecConfig(method="sam", cost_aware=True, sam_source="both"),
 }
@@ -103,6 +109,8 @@ def main(argv=None) -> int:
             calls = {name: (lambda spec=spec, groups=groups: [run(lm, g, spec, args.new_tokens) for g in groups])
                      for name, spec in configs.items()}
             samples = interleave(calls, args.repeats, alternate=True)
+            default_source = sam_source_for(lm, DEFAULT)
+            default_cost_aware = DEFAULT.cost_aware_at(size, corpus=default_source != "dynamic")
             rates = {name: [sum(sum(len(t) for t in ids) - len(ids) for ids, _ in r) /
                             sum(s.decode_s for _, s in r) for r in runs] for name, runs in samples.items()}
             plain = statistics.median(rates["none"])
@@ -110,10 +118,11 @@ def main(argv=None) -> int:
             for name, runs in samples.items():
                 same = all([ids for ids, _ in r] == reference for r in runs)
                 spec = configs[name]
-                default = spec.method == "sam" and spec.cost_aware_at(size) == DEFAULT.cost_aware_at(size) \
+                source = sam_source_for(lm, spec)
+                default = spec.method == "sam" and source == default_source \
+                    and spec.cost_aware_at(size, corpus=source != "dynamic") == default_cost_aware \
                     and spec.verify_widths == DEFAULT.verify_widths and spec.sam_index == DEFAULT.sam_index \
-                    and spec.sam_source == DEFAULT.sam_source and spec.min_match == DEFAULT.min_match \
-                    and spec.draft_per_match == DEFAULT.draft_per_match
+                    and spec.min_match == DEFAULT.min_match and spec.draft_per_match == DEFAULT.draft_per_match
                 rounds = " ".join(f"{r / n:.2f}" for r, n in zip(rates[name], rates["none"]))
                 rows.append((workload, size, name + (" (default)" if default else ""),
                              f"{statistics.median(rates[name]):.1f}", f"{statistics.median(rates[name]) / plain:.3f}",

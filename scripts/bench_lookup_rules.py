@@ -38,7 +38,7 @@ from benchkit.cli import floats, ints
 from benchkit.workloads import chat_ask
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.cost import narrowest_holding
-from jaxspec.methods import shipped_static_sam
+from jaxspec.methods import sam_source_for, shipped_static_sam
 from jaxspec.proposers import suffix_automaton, suffix_match
 from jaxspec.proposers.base import lookup_draft_count
 
@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     lm = jaxspec.load_model()
     print(machine.line(machine.info()))
     default = SpecConfig(method="sam")
+    default_source = sam_source_for(lm, default)
     replays = {}
     for kind, prompts in tuning_prompts(lm, args.limit).items():
         outputs = []
@@ -169,8 +170,9 @@ def main(argv=None) -> int:
                       for r in range(len(replay.outputs))]
             tokens, cost, steps = (sum(p[i] for p in priced) for i in range(3))
             cells += [f"{tokens / cost:.3f}", f"{tokens / steps:.2f}"]
-        is_default = (source, min_match, per_match, widths) == (default.sam_source, default.min_match,
-                                                                default.draft_per_match, default.verify_widths)
+        # The loop's corpus threshold is its min_match; its width choice with the corpus is by cost, not replayed.
+        is_default = default_source == "dynamic" == source and (min_match, per_match, widths) == (
+            default.min_match, default.draft_per_match, default.verify_widths)
         label = source if static_min is None else f"both, corpus from {static_min}"
         rows.append([label, min_match, per_match, widths, *cells, "yes" if is_default else ""])
     rows.sort(key=lambda r: -float(r[4]))

@@ -104,8 +104,9 @@ def test_unset_cost_awareness_means_above_one_row():
     assert auto.cost_aware is None
     assert [auto.cost_aware_at(b) for b in (1, 2, 8)] == [False, True, True]
     assert not any(fixed.cost_aware_at(b) for b in (1, 8)) and all(always.cost_aware_at(b) for b in (1, 8))
-    # A tree drafted best node first chooses by cost at one row too, unless told not to.
+    # A tree drafted best node first chooses by cost at one row too, unless told not to; so do drafts from a corpus.
     assert auto.cost_aware_at(1, ranked_tree=True) and not fixed.cost_aware_at(1, ranked_tree=True)
+    assert auto.cost_aware_at(1, corpus=True) and not fixed.cost_aware_at(1, corpus=True)
 
 
 @pytest.fixture

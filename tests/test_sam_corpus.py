@@ -1,17 +1,21 @@
 """Draft corpora for sam's static source: the file format, the corpus shipped for the default model, and
-`SpecConfig(sam_source="static" | "both")` drafting from it losslessly when `static_sam` is unset."""
+`SpecConfig(sam_source="static" | "both")` drafting from it losslessly when `static_sam` is unset, and the default
+source ("auto") taking it where one is at hand."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import jax
 import pytest
 
 import jaxspec
-from jaxspec import SpecConfig
-from jaxspec.methods import shipped_static_sam
+from jaxspec import SpecConfig, StaticSuffixAutomaton
+from jaxspec.methods import build_proposer, sam_source_for, shipped_static_sam
 from jaxspec.models.corpus import CORPUS_SUFFIX, load_corpus, save_corpus, shipped_corpus_path
 from jaxspec.models.heads import WEIGHTS_DIR
+from jaxspec.proposers.base import drafts_from_corpus
 from jaxspec.train import sam_corpus
 from jaxspec.train.prompts import humaneval_split
 
@@ -61,6 +65,26 @@ def test_a_model_without_a_shipped_corpus_names_what_to_pass(tiny_lm):
     for source in ("static", "both"):
         with pytest.raises(ValueError, match="no draft corpus is shipped for model 'tiny'"):
             jaxspec.generate(tiny_lm, [[1, 2, 3]], max_new_tokens=4, spec=SpecConfig(method="sam", sam_source=source))
+
+
+def test_sam_drafts_from_the_corpus_by_default_where_one_is_at_hand(tiny_lm, monkeypatch):
+    """sam_source "auto": both sources where static_sam is given or (on a CPU) a corpus is shipped for the model,
+    the row's own text elsewhere; a source named explicitly is kept."""
+    corpus = StaticSuffixAutomaton.build([[5, 6, 7, 8]], separator=1)
+    assert SpecConfig(method="sam").sam_source == "auto"
+    assert sam_source_for(tiny_lm, SpecConfig(method="sam")) == "dynamic"  # no corpus shipped for 'tiny'
+    assert sam_source_for(tiny_lm, SpecConfig(method="sam", static_sam=corpus)) == "both"
+    assert sam_source_for(tiny_lm, SpecConfig(method="sam", sam_source="static", static_sam=corpus)) == "static"
+    proposer, params = build_proposer(tiny_lm, SpecConfig(method="sam"), prompt_width=8, buffer_len=8, cache_len=16)
+    assert proposer.source == "dynamic" and params is None and not drafts_from_corpus(proposer)
+    proposer, params = build_proposer(tiny_lm, SpecConfig(method="sam", static_sam=corpus), prompt_width=8,
+                                      buffer_len=8, cache_len=16)
+    assert proposer.source == "both" and params is corpus and drafts_from_corpus(proposer)
+    named = SimpleNamespace(name="smollm2-135m")  # a model with a shipped corpus
+    assert sam_source_for(named, SpecConfig(method="sam")) == ("both" if jax.default_backend() == "cpu" else "dynamic")
+    assert sam_source_for(named, SpecConfig(method="sam", sam_source="dynamic")) == "dynamic"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # unmeasured there: the row's text alone
+    assert sam_source_for(named, SpecConfig(method="sam")) == "dynamic"
 
 
 @pytest.mark.usefixtures("default_model_installed")

@@ -127,6 +127,12 @@ def drafts_chains(proposer: Proposer) -> bool:
     return proposer.max_depth == proposer.num_speculative_tokens
 
 
+def drafts_from_corpus(proposer: Proposer) -> bool:
+    """Whether `proposer` drafts from a static corpus (declared as `uses_corpus`): its long matches are weaker
+    evidence than a row's own text, so its widths are chosen by cost at one row too (`SpecConfig.cost_aware_at`)."""
+    return bool(getattr(proposer, "uses_corpus", False))
+
+
 def ranks_tree_nodes(proposer: Proposer) -> bool:
     """Whether `proposer` drafts trees best node first with each node's confidence (`Draft.confidence`), so a
     narrower verify forward can score the best part of its tree (declared as `ranks_nodes`)."""

@@ -78,6 +78,11 @@ class SamProposer(ChainProposer):
         return jax.default_backend() != "cpu" or self.max_text_len <= MATCH_MAX_TEXT_LEN
 
     @property
+    def uses_corpus(self) -> bool:
+        """Drafts from a static corpus (`jaxspec.proposers.base.drafts_from_corpus`)."""
+        return self._static
+
+    @property
     def _dynamic(self) -> bool:
         return self.source in ("dynamic", "both")
 
