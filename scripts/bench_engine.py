@@ -158,7 +158,7 @@ def burst_main(args, lm, prompts) -> None:
     bursts: dict[int, Burst] = {}
     for most in levels:  # in order: each engine's warm-up compiles only what the ones before did not
         config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len, max_prefill_batch=most,
-                              spec=jaxspec.SpecConfig(method=args.method))
+                              spec=jaxspec.SpecConfig(method=args.method, sam_source=args.sam_source))
         bursts[most] = Burst(config, args.policy, lm)
         seconds, _ = clocked(lambda b=bursts[most]: (b.engine.start(), b.engine.ready.wait()))
         print(f"# max_prefill_batch={most}: warm-up {seconds:.1f} s (prefill batch sizes "
@@ -201,6 +201,8 @@ def main() -> None:
     p.add_argument("--policies", default="off,adaptive",
                    help="policies, the first is the baseline (default: %(default)s)")
     p.add_argument("--method", default="sam", help="the engine's speculation method (default: %(default)s)")
+    p.add_argument("--sam-source", default="auto", choices=("auto", "dynamic", "static", "both"),
+                   help="sam's draft source, SpecConfig.sam_source (default: %(default)s)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per burst (default: 48; 8 with --prefill-batches)")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -222,7 +224,7 @@ def main() -> None:
         return
     args.requests, args.max_tokens, args.repeats = args.requests or 48, args.max_tokens or 96, args.repeats or 4
     config = EngineConfig(max_slots=args.max_slots, cache_len=args.cache_len,
-                          spec=jaxspec.SpecConfig(method=args.method))
+                          spec=jaxspec.SpecConfig(method=args.method, sam_source=args.sam_source))
     names = args.policies.split(",")
     levels = {name: Level(config, name, lm) for name in names}
     for level in levels.values():
@@ -231,7 +233,7 @@ def main() -> None:
 
     rates: dict[str, list[float]] = {n: [] for n in names}
     print(f"# engine policies under a queue: {machine.line(machine.info())}; {args.requests} requests x "
-          f"{args.max_tokens} tokens per burst\n")
+          f"{args.max_tokens} tokens per burst; method {args.method}, sam source {args.sam_source}\n")
     print(tables.head(["repeat", "policy", "wall s", "tokens/s", "median full chunk ms", "drafting chunks"]))
     for rep, name in rounds(names, args.repeats, alternate=True):
         burst = [prompts[(rep * args.requests + i) % len(prompts)] for i in range(args.requests)]
