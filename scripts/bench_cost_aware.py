@@ -10,7 +10,8 @@ The default (`sam_source="auto"`, `cost_aware=None`) is "both" by cost at every 
 text alone, narrowest width at one row and by cost above, elsewhere; the table marks it. The `--sam-widths` and
 `--sam-lookup` rules take the default source. All against plain decoding, greedy,
 interleaved over `--repeats` rounds, on the HumanEval prompts held out from head training, completed as code
-("held-out") and asked about in a chat ("chat"). Outputs must be identical to plain decoding's; the table
+("held-out") and asked about in a chat ("chat"), or standard-library function heads, code far from HumanEval
+and from the shipped corpus ("stdlib"). Outputs must be identical to plain decoding's; the table
 reports decode tokens/s relative to `none` (median over rounds, and each round's ratio: this machine is
 shared and noisy), mean acceptance length and the c(w) tables measured.
 
@@ -49,9 +50,16 @@ CONFIGS = {
 DEFAULT = SpecConfig(method="sam")
 
 
+WORKLOADS = ("held-out", "chat", "stdlib")
+
+
 def prompts_for(workload: str, tokenizer, limit: int) -> list:
     if workload == "held-out":
         return workloads.held_out_prompts(tokenizer, limit)
+    if workload == "stdlib":  # code far from HumanEval and from the shipped corpus (the replay's tuning prompts)
+        from jaxspec.train.prompts import stdlib_prompts  # jaxspec.train needs the [train] extra
+
+        return [tokenizer.encode(t) for t in stdlib_prompts(limit)]
     return workloads.held_out_chat_texts(tokenizer, limit)
 
 
@@ -67,7 +75,8 @@ def run(lm, batch: list, spec: SpecConfig, new_tokens: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="held-out,chat")
+    parser.add_argument("--workloads", default="held-out,chat",
+                        help=f"of {', '.join(WORKLOADS)} (default: %(default)s)")
     parser.add_argument("--batches", type=ints, default="1,8")
     parser.add_argument("--limit", type=int, default=8, help="prompts per workload (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -77,10 +86,12 @@ def main(argv=None) -> int:
     parser.add_argument("--sam-widths", default="", help="more sam configurations at other verify widths, each "
                         "run by the narrowest-width rule: width sets separated by ';', e.g. '1,5,9,17;1,9'")
     parser.add_argument("--sam-lookup", default="", help="more sam configurations with other draft-length rules, "
-                        "widths chosen as by default (the narrowest at one row, by cost above): "
+                        "the default source, widths chosen as by default: "
                         "MIN_MATCH:DRAFT_PER_MATCH:WIDTHS separated by ';', e.g. "
-                        "'2:2.0:1,5,9,17;3:inf:1,9,17' (the default is 4:1.0:1,9,17)")
+                        "'2:2.0:1,5,9,17;3:inf:1,9,17' (the default is 1:2.0:1,3,5,9,17)")
     args = parser.parse_args(argv)
+    if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
+        parser.error(f"--workloads names {sorted(unknown)}; the workloads are {', '.join(WORKLOADS)}")
     chosen = [c for c in args.configs.split(",") if c]
     if unknown := set(chosen) - set(CONFIGS):
         parser.error(f"--configs names {sorted(unknown)}; the configurations are {sorted(CONFIGS)}")

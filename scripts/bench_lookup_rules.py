@@ -5,14 +5,16 @@ Greedy speculative decoding commits exactly the target's greedy text, so how a r
 without the target: at each step the row's text is a prefix of that text, the source drafts from it, the drafts
 accepted are those equal to the text's next tokens, and the step costs c(w) plain steps for the verify width w it
 needed. A rule is (min_match, draft_per_match, verify widths): nothing drafted below min_match matched tokens, at most
-ceil(draft_per_match x match length) tokens, scored at the narrowest width holding them (the one-row rule). This
+ceil(draft_per_match x match length) tokens, scored at the narrowest width holding them (the one-row rule for the
+row's own text; with a corpus the loop chooses widths by cost, which the replay does not model). This
 prices dozens of rules in a minute where an end-to-end run takes a quarter of an hour per rule; it leaves out what a
 step costs beside the forward (drafting, the loop's switch), so confirm the choice end to end
 (`bench_cost_aware.py --sam-lookup`).
 
 `--sources both` also prices the shipped corpus of the target's own writing (`sam_source="both"`): at each step the
 longer of the two matches drafts, as `SamProposer` chooses, and a corpus match drafts only from
-`--static-min-matches` matched tokens up (a threshold the loop does not have yet: 1 is what it does today).
+`--static-min-matches` matched tokens up (a threshold of its own the loop does not have: it applies min_match to
+both sources).
 
 The prompts are tuning prompts: standard-library function heads completed as code and asked about in a chat
 (jaxspec.train.prompts.stdlib_prompts), neither held out for the benchmarks nor in the shipped draft corpus.
