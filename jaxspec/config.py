@@ -280,7 +280,7 @@ class SpecConfig:
     # on a CPU, a corpus is shipped for the model, else "dynamic" (`jaxspec.methods.sam_source_for`). On a 2-core
     # CPU the shipped corpus raised sam from 1.72x to 1.79x plain decoding's speed on held-out code at one row,
     # 1.53x to 1.87x on chat, and 0.97x to 1.11x on code at eight rows, where the batch waits for the row that
-    # drafts least; on code far from the corpus it cost 3-7% at one row and gained 8% at eight
+    # drafts least; on code far from the corpus it cost 3-8% at one row and gained 14% at eight
     # (docs/BENCHMARKS.md). Its matching walks suffix links in data-dependent loops, a kernel launch per iteration
     # on a GPU, where it has not been measured.
     sam_source: SamSource = "auto"
