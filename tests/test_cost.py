@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import SamplingParams, SpecConfig, cost
+from jaxspec import SamplingParams, SpecConfig, StaticSuffixAutomaton, cost
 from test_speculative import OracleProposer
 from test_tree_decode import TOPOLOGY, OracleTreeProposer, _known
 
@@ -200,6 +200,10 @@ def test_the_default_measures_chains_of_several_rows_and_ranked_trees(tiny_lm, p
                         tree_top_k=3, verify_widths=(1, 10))
     p = jaxspec.prepare(tiny_lm, prompts[:1], max_new_tokens=8, spec=eagle2)
     assert timed == [3, 1] and p.widths == (1, 3, 5, 9, 10) and p.verify_cost is not None
+    # sam drafting from a corpus ("auto" takes the one given): measured at one row too.
+    corpus = StaticSuffixAutomaton.build([prompts[0] * 2], separator=0)
+    p = jaxspec.prepare(tiny_lm, prompts[:1], max_new_tokens=8, spec=SpecConfig(method="sam", static_sam=corpus))
+    assert p.proposer.source == "both" and timed == [3, 1, 1] and p.verify_cost is not None
 
 
 def test_the_default_declines_dear_widths_above_one_row(tiny_lm, prompts, cache_dir, monkeypatch):
