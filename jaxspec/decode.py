@@ -361,10 +361,12 @@ def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: j
     out, written = _forward(model, fed, cache.lengths[:, None] + depth, cache, mask, attention_impl, defer, layers)
     logits = penalize_scored(out.logits, state.counts, fed, mask, sampling)  # f32[B, width, V]
     logits = constrained.constrain_scored(logits, state.constraint, fed, parents, limits.stop_ids)
-    # Nodes past the row's node count, deeper than it may still emit, or on a path through an out-of-vocabulary
-    # token are never accepted.
+    # Nodes past the row's node count, deeper than it may still emit, on a path through an out-of-vocabulary
+    # token, or whose slot lies past the cache's end (its K/V dropped, `write_new`; a node's ancestors come
+    # before it, so they fit wherever it does) are never accepted.
+    in_cache = cache.lengths[:, None] + 1 + jnp.arange(n) < cache.max_len  # bool[B, n]: node i+1's slot exists
     valid = ((jnp.arange(n) < num_nodes[:, None]) & (depth[:, 1:] <= max_draft[:, None])
-             & _path_in_vocab(mask, in_vocab[:, :n]))  # bool[B, n]
+             & _path_in_vocab(mask, in_vocab[:, :n]) & in_cache)  # bool[B, n]
     probs = None if draft.probs is None else draft.probs[:, :n]
     keys = jax.vmap(jax.random.key)(sampling.seed)
     path, out_tokens, num = verify_tree(keys, logits, tokens, parents, valid, probs, sampling,

@@ -107,7 +107,8 @@ class TargetModel(Protocol):
         """Run T new tokens per row and return (output, cache with their K/V written).
 
         New token t of row b attends to the committed slots `< cache.lengths[b]` and to the new tokens before
-        it (or those `tree_mask[b, t]` marks); its K/V go to slot `cache.lengths[b] + t`, whatever its position.
+        it (or those `tree_mask[b, t]` marks); its K/V go to slot `cache.lengths[b] + t`, whatever its position,
+        and are dropped where that slot lies past the cache's end (`jaxspec.cache.write_new`: never clamped back).
         The returned cache has the same structure, shapes and dtypes, and the *same* `lengths`: the caller
         commits by advancing them, so a rejected draft's K/V is simply overwritten later. Slots past a row's
         length hold stale values that must get exactly zero attention. Padding and finished rows feed tokens

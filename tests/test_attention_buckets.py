@@ -44,6 +44,25 @@ def test_read_buckets():
     assert read_buckets(128) == (128,)
 
 
+def test_write_new_drops_tokens_past_the_last_slot():
+    """New token t of row b lands at slot start[b] + t where it exists; past the end it is dropped and every
+    other slot keeps its value (a clamped write would move the window back over committed slots)."""
+    rng = np.random.default_rng(2)
+    slots, t = 16, 5
+    buffer = rng.standard_normal((5, 2, slots, 3)).astype(np.float32)
+    new = rng.standard_normal((5, 2, t, 3)).astype(np.float32)
+    start = np.asarray([0, 7, slots - t, slots - 2, slots], np.int32)  # inside, at the end, 3 and all 5 past it
+    want = buffer.copy()
+    for b in range(5):
+        for i in range(t):
+            if start[b] + i < slots:
+                want[b, :, start[b] + i] = new[b, :, i]
+    got = jax.jit(write_new)(jnp.asarray(buffer), jnp.asarray(new), jnp.asarray(start))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="17 new tokens cannot be written into a cache of 16 slots"):
+        write_new(jnp.asarray(buffer), jnp.zeros((5, 2, 17, 3)), jnp.asarray(start))
+
+
 def _filled_cache(model, lengths: list[int]):
     """A cache of S slots whose rows hold `lengths` random tokens (written by a prefill forward)."""
     rng = np.random.default_rng(0)

@@ -226,11 +226,33 @@ def test_out_of_range_lengths_are_clipped():
     case = CASES_BY_NAME["f32-chain-gqa1-d64"]
     s, t = case.num_slots, case.num_new
     q, k, v, _, _ = make_inputs(case, seed=3, poison=None)
-    wild = jnp.asarray([-5, -1, s - t + 1, s, 10 * s], dtype=jnp.int32)
-    clipped = jnp.asarray([0, 0, s - t, s - t, s - t], dtype=jnp.int32)
+    wild = jnp.asarray([-5, -1, s - t + 1, s + 1, 10 * s], dtype=jnp.int32)
+    clipped = jnp.asarray([0, 0, s - t + 1, s, s], dtype=jnp.int32)
     out = run_kernel(case, q, k, v, wild)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(run_kernel(case, q, k, v, clipped)))
     assert_close(out, run_reference(case, q, k, v, wild), case.dtype)
+
+
+@pytest.mark.parametrize("name", ["f32-chain-gqa1-d64", "f32-tree-gqa3-d64"])
+def test_new_tokens_past_the_cache_end_have_no_slot(name):
+    """A row whose T new tokens run past slot S - 1 (drafts past a row's budget; `write_new` drops their K/V):
+    every query whose own slot exists attends exactly as in a cache with room for all of them."""
+    case = CASES_BY_NAME[name]
+    s, t = case.num_slots, case.num_new
+    q, k, v, _, mask = make_inputs(case, seed=5, poison=None)
+    lengths = jnp.asarray([s - t + 1, s - 2, s - 1, s - t, s - t + 2], dtype=jnp.int32)
+    # The same rows in a cache of S + T slots, the new tokens' K/V that did not fit written past slot S - 1
+    # (and, where a row's window ends before the cache does, noise there: slots past a row's window are unread).
+    rng = np.random.default_rng(6)
+    extra = jnp.asarray(rng.standard_normal(k.shape[:2] + (t, k.shape[3])), k.dtype)
+    roomy = [jnp.concatenate([c, extra], axis=2) for c in (k, v)]
+    roomy_case = dataclasses.replace(case, num_slots=s + t)
+    out = run_kernel(case, q, k, v, lengths, mask)
+    want = run_kernel(roomy_case, q, *roomy, lengths, mask)
+    assert_close(out, run_reference(case, q, k, v, lengths, mask), case.dtype)
+    has_slot = np.asarray(lengths)[:, None] + np.arange(t)[None, :] < s  # bool[B, T]
+    assert has_slot.any() and (~has_slot).any()
+    np.testing.assert_allclose(np.asarray(out)[has_slot], np.asarray(want)[has_slot], **TOLERANCES[case.dtype])
 
 
 def test_query_with_nothing_to_attend_gets_zeros():

@@ -276,6 +276,7 @@ def _verify_attention_kernel(
     sm_scale: float,
     block_kv: int,
     num_new: int,
+    cache_slots: int,
     blocks_per_split: int | None,
 ):
     # out_refs, unsplit (blocks_per_split None): o_ref [block_q, D], the output rows in q_ref's order.
@@ -289,6 +290,9 @@ def _verify_attention_kernel(
     precision = lax.Precision.HIGHEST
 
     length = lengths_ref[()]
+    # The new tokens' slots end here: past the cache's last real slot (`cache_slots`; k_ref may be padded
+    # beyond it) a new token has no K/V (`jaxspec.cache.write_new` dropped it), so no query sees it.
+    end = jnp.minimum(length + num_new, cache_slots)
     q = q_ref[...]
     new_mask = mask_ref[...]
 
@@ -308,7 +312,7 @@ def _verify_attention_kernel(
 
         if in_window:
             slot = start + jnp.arange(block_kv, dtype=jnp.int32)
-            owned = (slot >= nominal) & (slot < length + num_new)  # real slots, counted once
+            owned = (slot >= nominal) & (slot < end)  # real slots, counted once
             # Gather mask[r, slot - length] without a gather (which Triton cannot lower): a
             # one-hot [Tpad, block_kv] matmul picks the column; slots outside the window get an
             # all-zero one-hot column and so no grant.  0/1 values are exact even in TF32.
@@ -345,7 +349,7 @@ def _verify_attention_kernel(
     # cdiv(T, block_kv) + 1) blocks that touch the new-token window pay for it, and the loop
     # stops there, so slots past length + T are never visited.
     num_prefix_blocks = lax.div(length, jnp.int32(block_kv))
-    num_blocks = lax.div(length + jnp.int32(num_new + block_kv - 1), jnp.int32(block_kv))
+    num_blocks = lax.div(end + jnp.int32(block_kv - 1), jnp.int32(block_kv))
     if blocks_per_split is None:
         first, last = jnp.int32(0), num_blocks
     else:  # this program's run of blocks; a run past num_blocks is empty and leaves (0, MASK, 0)
@@ -398,16 +402,17 @@ def verify_attention(
     Query ``i`` of row ``b`` attends cache slot ``s`` iff ``s < lengths[b]`` (the committed
     prefix), or ``lengths[b] <= s < lengths[b] + T`` and ``mask[b, i, s - lengths[b]]``.
     Slots at or past ``lengths[b] + T`` are never read into the result and may hold garbage,
-    including NaN.  Query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+    including NaN.  New tokens whose slot would lie past ``S - 1`` have none (their K/V were
+    dropped): no query sees them.  Query head ``h`` reads KV head ``h // (Hq // Hkv)``.
 
     Args:
       q: f32/bf16[B, T, Hq, D]; queries of the new tokens, RoPE already applied.
       k_cache: [B, Hkv, S, D]; key cache with the new tokens' keys already written at slots
-        ``lengths[b] .. lengths[b] + T - 1``.
+        ``lengths[b] .. min(lengths[b] + T, S) - 1``.
       v_cache: [B, Hkv, S, D]; value cache, same layout and dtype.
-      lengths: i32[B]; committed prefix length of each row, in [0, S - T].  Values outside
-        that range are clipped into it (they cannot be checked under jit, and an unclipped
-        value would read outside the cache on the GPU).
+      lengths: i32[B]; committed prefix length of each row, in [0, S].  Values outside that
+        range are clipped into it (they cannot be checked under jit, and an unclipped value
+        would read outside the cache on the GPU).
       mask: bool[B, T, T] or None; ``mask[b, i, j]``: new query i may attend new key j.  None
         means a causal chain (j <= i).
       parents: i32[B, T] or None; a draft tree instead of ``mask``: parent of node i among the
@@ -470,7 +475,7 @@ def verify_attention(
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
     padded_slots = k_cache.shape[2]
 
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, num_slots - num_new)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, num_slots)
 
     # Split-KV: with few rows and KV heads, one program per (row, KV head) leaves most of a GPU idle
     # while it walks a long cache alone; splitting the cache's blocks over more programs and merging
@@ -485,7 +490,7 @@ def verify_attention(
 
     kernel = functools.partial(
         _verify_attention_kernel, sm_scale=float(sm_scale), block_kv=block_kv, num_new=num_new,
-        blocks_per_split=blocks_per_split,
+        cache_slots=num_slots, blocks_per_split=blocks_per_split,
     )
     tile = (batch, num_kv_heads, rows_padded, head_dim)
     if blocks_per_split is None:
@@ -553,7 +558,7 @@ def verify_attention_reference(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     group = num_q_heads // num_kv_heads
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, num_slots - num_new)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, num_slots)
     new_mask = _new_token_mask(mask, parents, batch, num_new)  # bool[B, T, T]
 
     slot = jnp.arange(num_slots)[None, :]  # [1, S]
