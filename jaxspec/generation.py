@@ -432,12 +432,7 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     """The device inputs for a validated request with max_new_tokens >= 1."""
     batch = len(req.ids)
     prompt_lens = [len(p) for p in req.ids]
-    k = req.spec.num_speculative_tokens
-    if req.predictions is not None:
-        k = max(k, req.spec.prediction_tokens)
-    if req.constraint is not None:
-        k = max(k, req.spec.forced_tokens)
-    width, buffer_len, cache_len = bucket_shapes(prompt_lens, req.max_new_tokens, k)
+    width, buffer_len, cache_len = bucket_shapes(prompt_lens, req.max_new_tokens)
     padded = np.zeros((batch, width), np.int32)  # i32[B, P]
     for i, p in enumerate(req.ids):
         padded[i, : len(p)] = p

@@ -28,20 +28,22 @@ def prompt_bucket(prompt_len: int, cap: int) -> int:
     return min(next_pow2(prompt_len), cap)
 
 
-def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int, k: int) -> tuple[int, int, int]:
+def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int) -> tuple[int, int, int]:
     """(prompt width P, output buffer N, cache slots S) that a batch compiles for.
 
     A power of two for the prompt and output buffers, the cache aligned to 128 slots, so similar requests
-    reuse one program; verification writes up to K draft slots past a row's last token.
+    reuse one program. The cache holds the longest prompt and the output budget and nothing more: whatever the
+    method, speculative and plain programs share a bucket. Verification may score drafts past a row's last
+    slot; `jaxspec.cache.write_new` drops their K/V, and a row's budget ends before they could be committed.
 
     The cache is sized from max_new_tokens itself, not from its power-of-two buffer: a row never holds more, and
     a step's attention reads every slot at several rows, so the rounding cost time. 96 new tokens after a
-    125-token prompt took 384 slots with K = 8 and 256 with K = 0, and the K = 8 loop's plain steps at 32 rows
-    ran 12% slower for it.
+    125-token prompt with K = 8 took 384 slots sized from the buffer (128) and 256 from the budget (when the cache
+    still kept K + 1 slots for a draft), and the loop's plain steps at 32 rows ran 12% slower for it.
     """
     width = next_pow2(max(prompt_lens))
     buffer_len = next_pow2(max_new_tokens)
-    return width, buffer_len, round_up(max(width, max(prompt_lens) + max_new_tokens + k + 1), CACHE_ALIGN)
+    return width, buffer_len, round_up(max(width, max(prompt_lens) + max_new_tokens), CACHE_ALIGN)
 
 
 # Verify widths offered beside a method's own when drafts may run long (predicted outputs, forced tokens): a

@@ -33,7 +33,7 @@ def make_run(lm, prompts: list[list[int]], new_tokens: int, spec: jaxspec.SpecCo
     """A callable that prefills and decodes once and returns (decode seconds, generated tokens)."""
     batch = len(prompts)
     lens = [len(p) for p in prompts]
-    width, buffer_len, cache_len = bucket_shapes(lens, new_tokens, spec.num_speculative_tokens)
+    width, buffer_len, cache_len = bucket_shapes(lens, new_tokens)
     padded = np.zeros((batch, width), np.int32)
     for i, p in enumerate(prompts):
         padded[i, : len(p)] = p

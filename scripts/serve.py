@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated batch sizes to compile, ending at --max-slots; the engine runs the "
                         "smallest that holds its requests (default: 1 and multiples of 8)")
     p.add_argument("--cache-len", type=int, default=2048,
-                   help="KV-cache slots per request: prompt + max_tokens + K + 1 must fit. Attention on CPU "
+                   help="KV-cache slots per request: prompt + max_tokens must fit. Attention on CPU "
                         "reads all of them every step, so keep it near the longest request (default: %(default)s)")
     p.add_argument("--method", default="sam", choices=names(served=True),
                    help="speculation method for requests that do not choose one; medusa, eagle, eagle2 and eagle3 "

@@ -510,7 +510,7 @@ def test_draft_stream_is_independent_of_the_acceptance_stream(tiny_lm):
     spec = SpecConfig(method="draft_model", num_speculative_tokens=1, draft_model=tiny_lm)
     p_value, run = _chi_square_p(target, spec, exact)
     assert run.drafted > 0 and 0 < run.accepted < run.drafted
-    width, _, cache_len = bucket_shapes([len(_STREAM_PROMPT)], 3, 1)
+    width, _, cache_len = bucket_shapes([len(_STREAM_PROMPT)], 3)
     control = _custom(AcceptKeyDraftProposer(DraftModelProposer(1, tiny_lm.graphdef, cache_len=cache_len,
                                                                 prompt_width=width)), tiny_lm.params)
     control_p, control_run = _chi_square_p(target, control, exact)

@@ -16,6 +16,7 @@ import pytest
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.proposers.base import ChainProposer, Committed, Context, Draft
+from jaxspec.shapes import bucket_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,25 @@ def test_oracle_drafts_are_all_accepted(tiny_lm, prompts, plain):
     assert [r.committed_per_step for r in s.rows] == [(5,) * 7 + (4,)] * 4
     assert s.acceptance_rate_per_position == (1.0,) * k
     assert s.mean_acceptance_length == pytest.approx(39 / 8)
+
+
+@pytest.mark.parametrize("attention_impl", ["xla", "pallas"])
+def test_drafts_run_to_the_last_cache_slot(tiny_lm, attention_impl):
+    """The cache holds the prompt and the budget and no more (no room for a draft past the row's last token):
+    near the end drafts run past the last slot, their K/V are dropped, and every token equals plain decoding's.
+    Both an oracle chain and a draft model (the target itself, whose own cache is the same size) draft there."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 97, size=n).tolist() for n in (91, 12)]
+    assert bucket_shapes([91, 12], 37)[2] == 128  # the first row's last token lands on the last slot
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=37)
+    oracle = _run_with(tiny_lm, prompts, OracleProposer(4), _reference(prompts, plain), max_new_tokens=37,
+                       widths=(5,))
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=4, draft_model=tiny_lm, verify_widths=(5,))
+    drafted = jaxspec.generate(tiny_lm, prompts, max_new_tokens=37, spec=spec, attention_impl=attention_impl)
+    for out in (oracle, drafted):
+        assert out.token_ids == plain.token_ids
+        assert out.stats.accepted == out.stats.drafted > 0
+        assert out.stats.rows[0].committed_per_step == (5,) * 7 + (1,)
 
 
 def test_stop_inside_an_accepted_block_ends_the_row_there(tiny_lm, prompts, plain):

@@ -21,6 +21,7 @@ from jaxspec import SamplingParams, SpecConfig
 from jaxspec.models.heads import Readout, eagle3_layers
 from jaxspec.proposers.base import Committed, Context, Draft
 from jaxspec.proposers.eagle import EagleProposer
+from jaxspec.shapes import bucket_shapes
 from jaxspec.tree import TreeTopology
 
 # Two candidates per level, four levels deep, plus a side branch: 9 nodes.
@@ -271,3 +272,23 @@ def test_oracle_tree_with_the_pallas_kernel(tiny_lm, prompts, plain):
     out = jaxspec.generate(tiny_lm, prompts[:1], max_new_tokens=12, spec=spec, attention_impl="pallas")
     assert out.token_ids[0] == plain.token_ids[0][:12]
     assert out.stats.mean_acceptance_length > 2
+
+
+@pytest.mark.parametrize("attention_impl", ["xla", "pallas"])
+def test_oracle_tree_runs_to_the_last_cache_slot(tiny_lm, attention_impl):
+    """The cache holds the prompt and the budget and no more: near the end a tree's nodes past the last slot are
+    dropped and never accepted, the ones that fit still are, and every token equals plain decoding's. One verify
+    width, so the forward writes the cache before attending (no deferred write)."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 97, size=n).tolist() for n in (88, 30)]
+    assert bucket_shapes([88, 30], 40)[2] == 128  # the first row's last token lands on the last slot
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40)
+    proposer = OracleTreeProposer(TOPOLOGY.num_nodes, TOPOLOGY, (0, 0, 0, 0), vocab=97)
+    spec = SpecConfig(method="custom", num_speculative_tokens=TOPOLOGY.num_nodes, proposer=proposer,
+                      proposer_params=_known(prompts, plain, 160), verify_widths=(TOPOLOGY.num_nodes + 1,))
+    out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, spec=spec, attention_impl=attention_impl)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.accepted > 0
+    # Whole 4-deep paths (5 tokens a step) while the tree fits; then the row has 123 tokens cached and only the
+    # nodes at slots 124-127 (the first four: depths 1 and 2) have a slot, so the path stops at depth 2.
+    assert out.stats.rows[0].committed_per_step == (5,) * 7 + (3, 1)

@@ -20,7 +20,7 @@ class EngineConfig:
     """Static settings of an `Engine`: slots, cache length, the methods compiled in, chunk size, queue size."""
 
     max_slots: int = 8  # the most requests decoded at once
-    cache_len: int = 2048  # KV slots per row: prompt + output + K + 1 must fit
+    cache_len: int = 2048  # KV slots per row: prompt + output must fit
     spec: SpecConfig = dataclasses.field(default_factory=lambda: SpecConfig(method="sam"))  # default method, K
     methods: tuple[str, ...] = SHARED_BATCH_METHODS  # proposers compiled in; each request picks one
     chunk_steps: int = 8  # decode steps between host visits (streaming granularity)
@@ -114,8 +114,9 @@ class EngineConfig:
 
     @property
     def max_context(self) -> int:
-        """Prompt + generated tokens a row may hold: verification writes K + 1 slots past the newest token."""
-        return self.cache_len - self.loop_k - 1
+        """Prompt + generated tokens a row may hold: every slot (drafts past the last one are scored, their K/V
+        dropped, and never committed: `jaxspec.cache.write_new`)."""
+        return self.cache_len
 
     @property
     def verify_widths(self) -> tuple[int, ...]:

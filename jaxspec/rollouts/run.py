@@ -117,8 +117,7 @@ class _Rollout:
         self.chunk_steps, self.attention_impl = chunk_steps, attention_impl
         spec = inputs.spec
         lens = [len(p) for p in inputs.ids]
-        self.width, self.buffer_len, self.cache_len = bucket_shapes(lens, inputs.max_new_tokens,
-                                                                    spec.num_speculative_tokens)
+        self.width, self.buffer_len, self.cache_len = bucket_shapes(lens, inputs.max_new_tokens)
         self.proposer, self.proposer_params = build_proposer(
             lm, spec, prompt_width=self.width, buffer_len=self.buffer_len, cache_len=self.cache_len,
             group_size=inputs.num_samples)

@@ -55,7 +55,7 @@ def measure_overhead(lm, config: Config, rows: list[list[int]], outputs: list[li
     search realistic text. Rejection sampling is timed at each verify width the configuration compiles (the
     loop picks the narrowest one holding the batch's longest draft).
     """
-    batch, width, buffer_len, cache_len = shape_key(rows, new_tokens, config.max_k)
+    batch, width, buffer_len, cache_len = shape_key(rows, new_tokens)
     proposer, params = build_proposer(lm, config.spec, prompt_width=width, buffer_len=buffer_len, cache_len=cache_len)
     k = proposer.num_speculative_tokens
     history = np.zeros((batch, width + buffer_len), np.int32)

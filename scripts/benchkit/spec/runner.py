@@ -19,9 +19,9 @@ from .configs import Config, Plan
 from .cost import cost_of
 
 
-def shape_key(rows: list[list[int]], new_tokens: int, k: int) -> tuple:
+def shape_key(rows: list[list[int]], new_tokens: int) -> tuple:
     """The shapes `jaxspec.generate` compiles for: batch, prompt, buffer, cache."""
-    return (len(rows),) + bucket_shapes([len(p) for p in rows], new_tokens, k)
+    return (len(rows),) + bucket_shapes([len(p) for p in rows], new_tokens)
 
 
 def compiled_programs() -> int:
@@ -53,15 +53,15 @@ class Runner:
         A row whose greedy first token differs in this batch (a near tie) stops at the length limit instead: the
         smallest from half the output buffer up that keeps every shape (buffer and cache) of the timed run.
         """
-        shapes = shape_key(rows, self.new_tokens, config.max_k)
+        shapes = shape_key(rows, self.new_tokens)
         key = (config.spec, shapes)
         if key in self.warm:
             return
         self.learn_first_tokens(rows)
         stops = [[self.first_tokens[tuple(p)]] * self.stop_width for p in rows]
-        bucket = bucket_shapes([1], self.new_tokens, 0)[1]
+        bucket = bucket_shapes([1], self.new_tokens)[1]
         limit = next(n for n in range(min(self.new_tokens, bucket // 2 + 1), self.new_tokens + 1)
-                     if shape_key(rows, n, config.max_k) == shapes)
+                     if shape_key(rows, n) == shapes)
         jaxspec.generate(self.lm, rows, max_new_tokens=limit, ignore_eos=True, stop_token_ids=stops,
                          spec=config.spec, attention_impl=self.attention_impl)
         self.warm.add(key)
