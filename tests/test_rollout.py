@@ -16,7 +16,7 @@ from flax import nnx
 
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
-from jaxspec.decode import decode_chunk, prefill
+from jaxspec.decode import NoProposer, decode_chunk, prefill
 from jaxspec.proposers.group_automaton import GroupAutomaton
 from jaxspec.proposers.group_match import GroupMatch
 from jaxspec.rollouts import TailPolicy, batch_buckets, sample_seeds
@@ -238,6 +238,23 @@ def test_automata_catch_up_when_speculation_turns_on(peaked_lm, plain, monkeypat
         for g in range(G):
             text = prompt + res.token_ids[p][g]
             assert text_len[p, g] == len(text) and texts[p, g, : len(text)].tolist() == text, (p, g)
+
+
+def test_chunks_that_do_not_speculate_run_the_plain_program(peaked_lm, plain, monkeypatch):
+    """With speculation off a group_sam rollout runs exactly rollout-none's decode program, its group indexes
+    set aside (an idle proposer's state rides no loop), and gives its tokens."""
+    from jaxspec.rollouts import run as rollout_run
+
+    used = []
+
+    def spy(*args, proposer, **kwargs):
+        used.append((proposer, kwargs["widths"], args[2].pstate))
+        return decode_chunk(*args, proposer=proposer, **kwargs)
+
+    monkeypatch.setattr(rollout_run, "decode_chunk", spy)
+    res = _run(peaked_lm, "group_sam", speculation="off")
+    assert res.token_ids == plain.token_ids
+    assert used and all(p == NoProposer() and w == (1,) and s == () for p, w, s in used)
 
 
 def test_references_are_draft_material_only(peaked_lm, plain, grouped):

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import cost, sharding
 from ..config import SamplingParams, SpecConfig
-from ..decode import DecodeState, RowLimits, decode_chunk, prefill
+from ..decode import DecodeState, NoProposer, RowLimits, decode_chunk, prefill
 from ..engine import slots
 from ..generation import default_attention_impl
 from ..methods import build_proposer
@@ -258,10 +258,18 @@ class _Rollout:
             # A chunk that drafts nothing compiles width 1 alone: a `lax.switch` over the verify widths costs a
             # third of a plain step at batch 32 on XLA:CPU (docs/BENCHMARKS.md). Its proposer follows every
             # committed token unless it can catch up later (`idle_proposer`).
-            state = decode_chunk(lm.graphdef, self.params, state, sampling, limits, self.proposer_params,
-                                 proposer=self.proposer if cap else self.idle_proposer,
-                                 widths=self.widths if cap else (1,),
-                                 attention_impl=self.attention_impl, num_steps=self.chunk_steps)
+            if not cap and self.idle_proposer is not self.proposer:
+                # An idle proposer drafts nothing and keeps its state: run the plain program (no proposer in
+                # its loop) with the proposer's state set aside, as rollout-none does.
+                held = state.pstate
+                state = decode_chunk(lm.graphdef, self.params, state.replace(pstate=()), sampling, limits, None,
+                                     proposer=NoProposer(), widths=(1,), attention_impl=self.attention_impl,
+                                     num_steps=self.chunk_steps).replace(pstate=held)
+            else:
+                state = decode_chunk(lm.graphdef, self.params, state, sampling, limits, self.proposer_params,
+                                     proposer=self.proposer if cap else self.idle_proposer,
+                                     widths=self.widths if cap else (1,),
+                                     attention_impl=self.attention_impl, num_steps=self.chunk_steps)
             done, step, row_steps, accepted_at = (np.asarray(x) for x in jax.device_get(
                 (state.done, state.steps, state.counters.steps, state.counters.accepted_at)))  # one readback
             run_s = time.perf_counter() - started - (cost.compile_seconds() - compiled)
