@@ -203,7 +203,7 @@ def test_new_params_run_without_recompiling(peaked_lm):
 
 @pytest.mark.parametrize("index", ["match", "automaton"])
 def test_automata_catch_up_when_speculation_turns_on(peaked_lm, plain, monkeypatch, index):
-    """Chunks that do not speculate leave the group indexes alone (`GroupSamProposer.idle`); when the
+    """Chunks that do not speculate leave the group indexes alone (they run the plain program); when the
     policy turns speculation on, every sample's string catches up, samples that finished meanwhile included,
     so each string ends as its sample's whole text and the tokens are the plain rollout's. Both indexes."""
     from jaxspec.rollouts import run as rollout_run

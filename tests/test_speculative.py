@@ -43,11 +43,11 @@ class OracleProposer(ChainProposer):
 
 
 def _run_with(lm, prompts, proposer, proposer_params, *, max_new_tokens, stop_token_ids=(), sampling=None,
-              widths=None):
+              widths=None, attention_impl=None):
     spec = SpecConfig(method="custom", num_speculative_tokens=proposer.num_speculative_tokens, verify_widths=widths,
                       proposer=proposer, proposer_params=proposer_params)
     return jaxspec.generate(lm, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                            sampling=sampling or SamplingParams(), spec=spec)
+                            sampling=sampling or SamplingParams(), spec=spec, attention_impl=attention_impl)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_drafts_run_to_the_last_cache_slot(tiny_lm, attention_impl):
     assert bucket_shapes([91, 12], 37)[2] == 128  # the first row's last token lands on the last slot
     plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=37)
     oracle = _run_with(tiny_lm, prompts, OracleProposer(4), _reference(prompts, plain), max_new_tokens=37,
-                       widths=(5,))
+                       widths=(5,), attention_impl=attention_impl)
     spec = SpecConfig(method="draft_model", num_speculative_tokens=4, draft_model=tiny_lm, verify_widths=(5,))
     drafted = jaxspec.generate(tiny_lm, prompts, max_new_tokens=37, spec=spec, attention_impl=attention_impl)
     for out in (oracle, drafted):

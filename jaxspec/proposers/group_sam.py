@@ -72,10 +72,6 @@ class GroupSamProposer(ChainProposer):
     # > 1: a tree of this many continuations that differ in their first token, K // paths deep each (Seer's
     # multi-path drafting; the "match" index only). Verification follows whichever the target agrees with.
     paths: int = 1
-    # True: draft nothing and leave the index as it is; the owner calls `catch_up` before drafting again.
-    # For a rollout chunk that does not speculate: the automaton appends every committed token in G passes a
-    # step (siblings take turns), about 4% of a plain step at 32 rows on XLA:CPU, for drafts nobody reads.
-    idle: bool = False
 
     def __post_init__(self):
         for name in ("num_speculative_tokens", "group_size", "prompt_width", "buffer_len"):
@@ -155,10 +151,6 @@ class GroupSamProposer(ChainProposer):
     def propose(self, params, pstate: GroupSamState, ctx: Context, keys: jax.Array) -> tuple[Draft, GroupSamState]:
         """The continuation of the longest suffix of each row's text seen with one anywhere in its group."""
         k = self.num_speculative_tokens
-        if self.idle:
-            batch = ctx.history.shape[0]
-            none = jnp.zeros((batch,), jnp.int32)
-            return Draft(tokens=jnp.zeros((batch, k), jnp.int32), num_draft=none, probs=None, match_len=none), pstate
         index = pstate.automata.value
         if self.paths > 1:
             return self._propose_paths(index, pstate, ctx), pstate
@@ -193,10 +185,7 @@ class GroupSamProposer(ChainProposer):
                      parents=jnp.broadcast_to(parents, (batch, self.num_speculative_tokens)))
 
     def update(self, params, pstate: GroupSamState, ctx: Context, committed: Committed) -> GroupSamState:
-        """Each row's string extended by committed.tokens[b, :committed.num[b]] (siblings one at a time);
-        nothing when the proposer is `idle`."""
-        if self.idle:
-            return pstate
+        """Each row's string extended by committed.tokens[b, :committed.num[b]] (siblings one at a time)."""
         index = pstate.automata.value
         extend = gm_lib.extend_rows if isinstance(index, gm_lib.GroupMatch) else ga_lib.extend_rows
         automata = extend(index, pstate.group, pstate.string, committed.tokens.astype(jnp.int32),

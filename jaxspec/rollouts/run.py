@@ -137,13 +137,12 @@ class _Rollout:
             refs = inputs.references
             num_refs, ref_len = (0, 0) if refs is None else refs.tokens.shape[1:]
             index_bytes = inputs.num_prompts * self.proposer.index_bytes(num_refs, ref_len)
-        # The proposer of chunks that do not speculate: it drafts nothing and leaves the group automata as they
-        # are; they catch up from the samples' texts before a chunk drafts again (`GroupSamProposer.idle`), so
-        # a rollout whose policy never speculates (T = 1.0 at large batches) pays for them only at prefill.
-        self.idle_proposer = self.proposer
-        if isinstance(self.proposer, GroupSamProposer):
-            self.idle_proposer = dataclasses.replace(self.proposer, idle=True)
-        self.behind = False  # chunks ran with idle_proposer since the automata last caught up
+        # A proposer whose indexes can catch up from the samples' texts (`GroupSamProposer.catch_up`) sits out
+        # the chunks that do not speculate: they run rollout-none's plain program with its state set aside, so
+        # a rollout whose policy never speculates (T = 1.0 at large batches) pays for the indexes only at
+        # prefill. Any other proposer follows every committed token, drafting or not.
+        self.sits_out = isinstance(self.proposer, GroupSamProposer)
+        self.behind = False  # chunks ran without the proposer since its indexes last caught up
         self._settings_key, self._settings_value = None, None  # the last batch's settings (`_settings`)
         check_memory(lm, inputs, cache_len=self.cache_len, history_len=self.width + self.buffer_len,
                      index_bytes=index_bytes)
@@ -252,23 +251,21 @@ class _Rollout:
             sampling, limits = self._settings(rows, cap)
             if cap and self.behind:
                 state = self._catch_up(state, rows)
-            self.behind |= not cap and self.idle_proposer is not self.proposer
+            self.behind |= not cap and self.sits_out
             started, compiled = time.perf_counter(), cost.compile_seconds()
             steps_before = self.chunks[-1].end_step if self.chunks else 0
             # A chunk that drafts nothing compiles width 1 alone: a `lax.switch` over the verify widths costs a
-            # third of a plain step at batch 32 on XLA:CPU (docs/BENCHMARKS.md). Its proposer follows every
-            # committed token unless it can catch up later (`idle_proposer`).
-            if not cap and self.idle_proposer is not self.proposer:
-                # An idle proposer drafts nothing and keeps its state: run the plain program (no proposer in
-                # its loop) with the proposer's state set aside, as rollout-none does.
+            # third of a plain step at batch 32 on XLA:CPU (docs/BENCHMARKS.md).
+            if not cap and self.sits_out:
+                # rollout-none's program: carrying the group indexes and K-wide draft arrays through the loop
+                # cost 4% a step at 64 rows (docs/BENCHMARKS.md); the state rejoins after the chunk.
                 held = state.pstate
                 state = decode_chunk(lm.graphdef, self.params, state.replace(pstate=()), sampling, limits, None,
                                      proposer=NoProposer(), widths=(1,), attention_impl=self.attention_impl,
                                      num_steps=self.chunk_steps).replace(pstate=held)
             else:
                 state = decode_chunk(lm.graphdef, self.params, state, sampling, limits, self.proposer_params,
-                                     proposer=self.proposer if cap else self.idle_proposer,
-                                     widths=self.widths if cap else (1,),
+                                     proposer=self.proposer, widths=self.widths if cap else (1,),
                                      attention_impl=self.attention_impl, num_steps=self.chunk_steps)
             done, step, row_steps, accepted_at = (np.asarray(x) for x in jax.device_get(
                 (state.done, state.steps, state.counters.steps, state.counters.accepted_at)))  # one readback
