@@ -314,7 +314,7 @@ class SpecConfig:
     # head shipped for the model (models/weights/<model>.<kind>.safetensors).
     head_path: str | None = None
     # eagle2 / eagle3: levels of the dynamic tree, and frontier nodes expanded per level (each with that many
-    # children).
+    # children). Unset, the method's depth (3), or the least that drafts num_speculative_tokens nodes.
     # eagle: unset drafts a chain of K; set, a static tree (EAGLE-1) of K nodes at most tree_depth deep, with
     # up to tree_top_k candidates per node (`TreeTopology.default`).
     # group_sam: tree_top_k > 1 drafts that many continuations from the group, differing in their first token,
@@ -352,6 +352,8 @@ class SpecConfig:
             defaults["num_speculative_tokens"] = getattr(self.proposer, "num_speculative_tokens", None)
         if self.num_speculative_tokens is not None:
             defaults.pop("verify_widths", None)  # the method's widths belong to its own K
+        if self.method in ("eagle2", "eagle3") and self.tree_depth is None:
+            defaults["tree_depth"] = _tree_depth_for(self.num_speculative_tokens, self.tree_top_k, defaults)
         if self.head_path is not None:
             defaults.pop("draft_vocab", None)  # the method's draft vocabulary was measured with its shipped heads
         for name, value in defaults.items():
@@ -433,3 +435,16 @@ class SpecConfig:
     def adaptive_sam(cls, **overrides) -> "SpecConfig":
         """The adaptive suffix-automaton default, `SpecConfig(method="sam")`, with any setting overridden."""
         return cls(method="sam", **overrides)
+
+
+def _tree_depth_for(num_nodes, top_k, defaults) -> int | None:
+    """The default depth of an EAGLE-2/3 dynamic tree: the method's, deepened where a budget of `num_nodes`
+    needs more levels to draft that many nodes (top_k + (depth - 1) * top_k**2 of them). Values that are not
+    positive integers are left to the checks that name them."""
+    depth = defaults.get("tree_depth")
+    num_nodes = defaults.get("num_speculative_tokens") if num_nodes is None else num_nodes
+    top_k = defaults.get("tree_top_k") if top_k is None else top_k
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+               for v in (depth, num_nodes, top_k)):
+        return depth
+    return max(depth, 1 + -(-(num_nodes - top_k) // top_k ** 2))

@@ -264,6 +264,23 @@ def test_head_errors(tiny_lm, head_files, tmp_path):
         SpecConfig(method="eagle2", tree_top_k=0)
 
 
+@pytest.mark.parametrize("method", ["eagle2", "eagle3"])
+def test_default_tree_depth_holds_the_budget(method):
+    """Unset, a dynamic tree is 3 levels deep, or as deep as it must be to draft its K nodes: top_k + (depth - 1)
+    * top_k**2 of them. A depth that is set stays as set, and is checked."""
+    def depth(**kw):
+        return SpecConfig(method=method, **kw).tree_depth
+
+    assert depth() == 3 and SpecConfig(method=method).tree_top_k == 4
+    assert depth(num_speculative_tokens=36) == 3  # 4 + 2 * 16 nodes
+    assert depth(num_speculative_tokens=37) == 4
+    assert depth(num_speculative_tokens=63) == 5  # 4 + 4 * 16 = 68 nodes
+    assert depth(num_speculative_tokens=15, tree_top_k=2) == 5  # 2 + 4 * 4 = 18 nodes
+    assert depth(num_speculative_tokens=63, tree_depth=6) == 6
+    with pytest.raises(ValueError, match="num_speculative_tokens=63 exceeds"):
+        SpecConfig(method=method, num_speculative_tokens=63, tree_depth=3)
+
+
 def test_oracle_tree_with_the_pallas_kernel(tiny_lm, prompts, plain):
     """Tree verification through the Pallas kernel (interpret mode on CPU) with its ancestor mask."""
     proposer = OracleTreeProposer(TOPOLOGY.num_nodes, TOPOLOGY, (0, 0, 1, 1), vocab=97)
