@@ -96,7 +96,8 @@ def side_by_side(lm, prompts, chosen: list[tuple[str, SpecConfig]], args, temper
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Held-out HumanEval prompts: {report['num_prompts']}, {report['new_tokens']} new tokens each, "
+    skipped = f" after the first {report['skipped']}" if report.get("skipped") else ""
+    lines = [f"Held-out HumanEval prompts: {report['num_prompts']}{skipped}, {report['new_tokens']} new tokens each, "
              f"batch 1, {report['repeats']} interleaved round(s); {machine.line(report)}.", ""]
     for key, rows in report["runs"].items():
         lines += [f"### {key}", "",
@@ -158,6 +159,8 @@ def warn_if_few_memory_maps(num_configs: int, path: str = "/proc/sys/vm/max_map_
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=8, help="held-out prompts to run (default: %(default)s)")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="held-out prompts skipped first, e.g. those a setting was tuned on (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--workloads", default="held-out",
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (default: %(default)s)")
@@ -187,18 +190,22 @@ def main(argv=None) -> int:
     chosen_workloads = [w for w in args.workloads.split(",") if w]
     if not chosen_workloads or any(w not in WORKLOADS for w in chosen_workloads):
         parser.error(f"--workloads={args.workloads!r} must name some of {', '.join(WORKLOADS)}")
-    if args.limit < 1 or args.new_tokens < 2 or args.repeats < 1:
-        parser.error("--limit and --repeats must be >= 1 and --new-tokens >= 2")
+    if args.limit < 1 or args.new_tokens < 2 or args.repeats < 1 or args.skip < 0:
+        parser.error("--limit and --repeats must be >= 1, --new-tokens >= 2 and --skip >= 0")
     methods = {m for m in args.methods.split(",") if m}
     chosen = [(label, spec) for label, spec in configs(args.budgets, args.eagle_ks, wide, args.cost_aware_budgets)
               if not methods or label == "none" or label.split()[0] in methods]
 
     warn_if_few_memory_maps(len(chosen))
     lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
-    report = machine.info() | {"model": lm.name, "num_prompts": args.limit, "new_tokens": args.new_tokens,
+    report = machine.info() | {"model": lm.name, "num_prompts": args.limit, "skipped": args.skip,
+                               "new_tokens": args.new_tokens,
                                "repeats": args.repeats, "runs": {}, "best": {}}
     for workload in chosen_workloads:
-        prompts = workloads.load_workload(workload, lm.tokenizer, args.limit)
+        prompts = workloads.load_workload(workload, lm.tokenizer, args.skip + args.limit)[args.skip:]
+        if len(prompts) < args.limit:
+            parser.error(f"--skip {args.skip} --limit {args.limit}: workload {workload!r} has "
+                         f"{args.skip + len(prompts)} prompts")
         for temp in args.temperatures:
             key = f"{workload}, T={temp}"
             rows = side_by_side(lm, prompts, chosen, args, temp)
