@@ -395,7 +395,7 @@ class SpecConfig:
                 value = getattr(self, name)
                 if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                     raise ValueError(f"{name}={value!r} must be an integer >= 1")
-            drafted = (self.tree_top_k + (self.tree_depth - 1) * self.tree_top_k ** 2 if dynamic_tree
+            drafted = (dynamic_tree_nodes(self.tree_depth, self.tree_top_k) if dynamic_tree
                        else sum(self.tree_top_k ** d for d in range(1, self.tree_depth + 1)))
             if k > drafted:
                 raise ValueError(f"num_speculative_tokens={k} exceeds the {drafted} nodes a tree of tree_depth="
@@ -437,14 +437,22 @@ class SpecConfig:
         return cls(method="sam", **overrides)
 
 
+
+def dynamic_tree_nodes(depth: int, top_k: int) -> int:
+    """The nodes an EAGLE-2 dynamic tree drafts before its best K are kept: the root's top_k children, then
+    top_k children for each of the top_k frontier nodes at every further level."""
+    return top_k + (depth - 1) * top_k ** 2
+
+
 def _tree_depth_for(num_nodes, top_k, defaults) -> int | None:
     """The default depth of an EAGLE-2/3 dynamic tree: the method's, deepened where a budget of `num_nodes`
-    needs more levels to draft that many nodes (top_k + (depth - 1) * top_k**2 of them). Values that are not
-    positive integers are left to the checks that name them."""
+    needs more levels to draft that many (`dynamic_tree_nodes`). Values that are not positive integers are
+    left to the checks that name them."""
     depth = defaults.get("tree_depth")
     num_nodes = defaults.get("num_speculative_tokens") if num_nodes is None else num_nodes
     top_k = defaults.get("tree_top_k") if top_k is None else top_k
-    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
-               for v in (depth, num_nodes, top_k)):
+    if not all(is_integer(v) and v >= 1 for v in (depth, num_nodes, top_k)):
         return depth
-    return max(depth, 1 + -(-(num_nodes - top_k) // top_k ** 2))
+    while dynamic_tree_nodes(depth, top_k) < num_nodes:
+        depth += 1
+    return depth

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from ..cache import KVCache
+from ..config import dynamic_tree_nodes
 from ..sampling import processed_probs, sample
 from ..tree import TreeTopology, select_nodes
 from .base import Committed, Context, Draft
@@ -106,7 +107,7 @@ class EagleProposer:
     @property
     def num_candidates(self) -> int:
         """Tree mode: the nodes drafted before the best K are kept."""
-        return self.top_k + (self.depth - 1) * self.top_k ** 2
+        return dynamic_tree_nodes(self.depth, self.top_k)
 
     @property
     def _scratch(self) -> int:
