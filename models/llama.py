@@ -31,7 +31,7 @@ from flax import nnx
 from jaxspec.cache import KVCache, write_new
 from jaxspec.kernels.cpu import MatmulImpl, default_impl, project, uses_kernel
 from jaxspec.kernels.verify_attention import compiled_supports, verify_attention
-from jaxspec.sharding import constrain
+from jaxspec.sharding import active, constrain, mesh_size
 
 from .config import ModelConfig
 from .rope import apply_rope, rope_tables
@@ -147,12 +147,13 @@ def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mas
     B, T, H, hd = q.shape
     Hkv, G = cfg.num_kv_heads, cfg.q_per_kv
     S = k_cache.shape[2]
-    q = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)  # as in _xla_attention
-    among_new = jnp.tril(jnp.ones((1, T, T), bool)) if tree_mask is None else tree_mask  # bool[B or 1, T, T]
-    new_scores = jnp.einsum("bkmd,bktd->bkmt", q, k_new, preferred_element_type=jnp.float32) * (hd ** -0.5)
-    new_scores = jnp.where(among_new[:, None, None], new_scores.reshape(B, Hkv, G, T, T), _MASKED)
 
-    def attend(slots: int):
+    def attend_rows(slots: int, q, k_cache, v_cache, k_new, v_new, lengths, tree_mask):  # any b of the B rows
+        B = q.shape[0]
+        q = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)  # as in _xla_attention
+        among_new = jnp.tril(jnp.ones((1, T, T), bool)) if tree_mask is None else tree_mask  # bool[b or 1, T, T]
+        new_scores = jnp.einsum("bkmd,bktd->bkmt", q, k_new, preferred_element_type=jnp.float32) * (hd ** -0.5)
+        new_scores = jnp.where(among_new[:, None, None], new_scores.reshape(B, Hkv, G, T, T), _MASKED)
         k_old, v_old = k_cache[:, :, :slots], v_cache[:, :, :slots]
         scores = jnp.einsum("bkmd,bksd->bkms", q, k_old, preferred_element_type=jnp.float32) * (hd ** -0.5)
         committed = jnp.arange(slots)[None, :] < lengths[:, None]  # bool[B, slots]
@@ -162,6 +163,10 @@ def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mas
         out = (jnp.einsum("bkms,bksd->bkmd", probs[..., :slots], v_old)
                + jnp.einsum("bkmt,bktd->bkmd", probs[..., slots:], v_new.astype(v_old.dtype)))
         return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+
+    def attend(slots: int):
+        return _by_row_groups(functools.partial(attend_rows, slots), _kv_row_bytes(k_cache, slots),
+                              q, k_cache, v_cache, k_new, v_new, lengths, tree_mask)
 
     return _in_read_bucket(attend, S, jnp.max(lengths))  # the committed slots only: the new K/V sit beside them
 
@@ -173,6 +178,42 @@ def _in_read_bucket(attend, max_len: int, needed: jax.Array):
         return attend(max_len)
     which = jnp.sum(jnp.asarray(sizes[:-1]) < needed)
     return jax.lax.switch(which, [functools.partial(attend, n) for n in sizes])
+
+
+# On a CPU, XLA's attention over many rows slows several-fold once the K/V a step reads outgrows the caches: the
+# scores' dot (q against K, a YNNPACK fusion) then runs far below memory speed. A one-token forward of 128 rows
+# reading 512 slots took 1036 ms, 354 ms in groups (docs/cpu-performance.md, "Attention in row groups"). A loop
+# over groups of rows whose K and V reads stay within this many bytes keeps each group's prefix copy and dots in
+# cache; rows are independent in attention, so the result is the same.
+_ROW_GROUP_BYTES = 4 << 20
+
+
+def _kv_row_bytes(k_cache: jax.Array, slots: int) -> int:
+    """Bytes of K and V one row's attention reads from a cache [B, Hkv, S, hd] over its first `slots` slots."""
+    return 2 * k_cache.shape[1] * slots * k_cache.shape[3] * k_cache.dtype.itemsize
+
+
+def row_group(batch: int, row_bytes: int) -> int:
+    """Rows per attention group: the largest divisor of `batch` whose rows read at most `_ROW_GROUP_BYTES` of
+    K/V (at least 1) on a CPU; the whole batch when it fits, off a CPU, or under a mesh of several devices
+    (where the rows are split over devices and a loop over them would gather them)."""
+    current = active()
+    if (batch * row_bytes <= _ROW_GROUP_BYTES or jax.default_backend() != "cpu"
+            or (current is not None and mesh_size(current[0]) > 1)):
+        return batch
+    return max((g for g in range(1, batch + 1) if batch % g == 0 and g * row_bytes <= _ROW_GROUP_BYTES), default=1)
+
+
+def _by_row_groups(attend_rows, row_bytes: int, *rows):
+    """attend_rows(*rows) for arrays with the B rows leading (None passes through) -> [B, ...], computed group
+    by group (`row_group`) in a loop."""
+    B = rows[0].shape[0]
+    g = row_group(B, row_bytes)
+    if g == B:
+        return attend_rows(*rows)
+    grouped = [None if x is None else x.reshape(B // g, g, *x.shape[1:]) for x in rows]
+    out = jax.lax.map(lambda xs: attend_rows(*xs), grouped)  # [B/g, g, ...]
+    return out.reshape(B, *out.shape[2:])
 
 
 _MIN_READ_SLOTS = 256  # the smallest cache prefix a decode step reads; larger ones double from here
@@ -199,9 +240,13 @@ def _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfi
     T = q.shape[1]
     S = k_cache.shape[2]
 
-    def attend(slots: int):
-        visible = visibility_mask(lengths, T, slots, tree_mask)  # bool[B, T, slots]
+    def attend_rows(slots: int, q, k_cache, v_cache, lengths, tree_mask):  # any b of the B rows
+        visible = visibility_mask(lengths, T, slots, tree_mask)  # bool[b, T, slots]
         return _xla_attention(q, k_cache[:, :, :slots], v_cache[:, :, :slots], visible, cfg)
+
+    def attend(slots: int):
+        return _by_row_groups(functools.partial(attend_rows, slots), _kv_row_bytes(k_cache, slots),
+                              q, k_cache, v_cache, lengths, tree_mask)
 
     if cached_slots is not None:
         return attend(min(S, cached_slots + T))

@@ -21,8 +21,9 @@ import jaxspec
 from jaxspec import SamplingParams
 from jaxspec.cache import write_new
 from jaxspec.decode import NoProposer, RowLimits, decode, prefill
+from jaxspec.models import llama
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.llama import Llama, read_buckets
+from jaxspec.models.llama import Llama, read_buckets, row_group
 from jaxspec.proposers.base import Context, Draft
 from jaxspec.proposers.ngram import NgramProposer
 from jaxspec.tree import tree_ancestor_mask
@@ -160,12 +161,71 @@ class _StaticTree(NoProposer):
         return Draft(tokens=tokens, num_draft=jnp.full((batch,), 4, jnp.int32), parents=parents), pstate
 
 
+@pytest.fixture
+def small_row_groups(monkeypatch):
+    """Attention in groups of rows whose K/V read is at most 2 rows' worth at 512 slots (`row_group`). Traces
+    are dropped around it, so no forward traced with the usual groups is reused."""
+    jax.clear_caches()
+    monkeypatch.setattr(llama, "_ROW_GROUP_BYTES", 2 * 2 * CFG.num_kv_heads * 512 * CFG.head_dim * 4)
+    yield
+    jax.clear_caches()
+
+
+def test_row_group():
+    """Rows per attention group: the largest divisor of the batch within the byte budget, the whole batch when it
+    fits, one row when even one is over."""
+    budget = llama._ROW_GROUP_BYTES
+    assert row_group(128, budget // 4) == 4
+    assert row_group(96, budget // 5) == 4  # 5 is not a divisor of 96
+    assert row_group(7, budget // 3) == 1  # 7 is prime
+    assert row_group(8, budget // 8) == 8  # fits whole
+    assert row_group(3, 2 * budget) == 1
+
+
+@pytest.mark.parametrize("lengths", [[100, 600, 30, 300, 0, 450], [700, 1000, 10, 900]])
+@pytest.mark.parametrize("tree", [False, True])
+def test_attention_in_row_groups_equals_one_group(model, lengths, tree, small_row_groups):
+    """On a CPU, many rows attend group by group (a loop over `row_group` rows): the logits, the written cache
+    and the deferred K/V equal those of one group of every row, for chains and trees in every bucket."""
+    batch, t = len(lengths), 4
+    cache = _filled_cache(model, lengths)
+    new = jnp.asarray(np.random.default_rng(4).integers(0, CFG.vocab_size, (batch, t)), jnp.int32)
+    if tree:
+        mask = tree_ancestor_mask(jnp.broadcast_to(jnp.asarray([0, 0, 2], jnp.int32), (batch, t - 1)))
+        depth = jnp.asarray([0, 1, 1, 2], jnp.int32)
+    else:
+        mask, depth = None, jnp.arange(t, dtype=jnp.int32)
+    positions = cache.lengths[:, None] + depth
+    assert row_group(batch, llama._kv_row_bytes(cache.k[0], 512)) == 2  # so the loop below runs in groups
+
+    def forward(**kw):
+        fn = jax.jit(lambda c: model(new, positions, c, tree_mask=mask, **kw))
+        return fn(cache), fn.lower(cache).compile().as_text()
+
+    results = {}
+    for write in (True, False):
+        (grouped, grouped_cache), hlo = forward(write_cache=write)
+        assert " while(" in hlo  # the groups' loop
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(llama, "_ROW_GROUP_BYTES", 1 << 40)
+            jax.clear_caches()
+            (whole, whole_cache), hlo = forward(write_cache=write)
+        assert " while(" not in hlo
+        np.testing.assert_allclose(np.asarray(grouped.logits), np.asarray(whole.logits), rtol=1e-5, atol=1e-5)
+        for a, b in zip(grouped_cache.k + grouped_cache.v, whole_cache.k + whole_cache.v):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        results[write] = grouped.logits
+    np.testing.assert_allclose(np.asarray(results[False]), np.asarray(results[True]), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["none", "ngram", "tree"])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_decode_loop_updates_the_cache_in_place(batch, method):
+@pytest.mark.parametrize("batch,groups", [(1, "usual"), (2, "usual"), (2, "small")])
+def test_decode_loop_updates_the_cache_in_place(batch, method, groups, request):
     """The compiled decode loop copies no whole per-layer cache buffer: each step's K/V write is in place, also
     where a `lax.switch` picks among several verify widths (chain and tree): their forwards leave the cache
     unwritten and one write follows the switch (a branch that wrote would make XLA copy every buffer)."""
+    if groups == "small":  # attention in groups of one row (`row_group`; the 1024-slot read) is in place too
+        request.getfixturevalue("small_row_groups")
     lm = jaxspec.LanguageModel.from_module(Llama(CFG, rngs=nnx.Rngs(0)), name="bucket-test")
     prompts = jnp.zeros((batch, 16), jnp.int32)
     sampling = SamplingParams().broadcast(batch)
