@@ -147,6 +147,27 @@ def test_measured_costs_keep_the_output_and_are_cached(tiny_lm, prompts, cache_d
     assert _oracle_run(tiny_lm, prompts, plain, MIXED).token_ids == plain.token_ids
 
 
+def test_a_table_from_other_forward_code_is_measured_again(tiny_lm, cache_dir, monkeypatch):
+    """The file's key holds a digest of the forward's source: a table measured before the attention or the
+    matmul paths changed is not reused."""
+    def measuring(value):
+        def measure(lm, batch, cache_len, widths, cached, attention_impl, repeats, key):
+            cost._store(key, tuple(value for _ in widths))  # as `_measure` stores what it timed
+            return tuple(value for _ in widths)
+        return measure
+
+    monkeypatch.setattr(cost, "_measure", measuring(2.0))
+    assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (2.0, 2.0)
+    cost._MEMO.clear()  # a new process, same code: the file answers
+    monkeypatch.setattr(cost, "_measure", lambda *a: pytest.fail("measured again under the same code"))
+    assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (2.0, 2.0)
+    cost._MEMO.clear()  # a new process, other code: measured again
+    monkeypatch.setattr(cost, "_forward_code", lambda: "other code")
+    monkeypatch.setattr(cost, "_measure", measuring(5.0))
+    assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (5.0, 5.0)
+    assert len(json.loads((cache_dir / "verify_cost.json").read_text())) == 2
+
+
 def test_prohibitive_costs_mean_plain_steps_and_the_same_output(tiny_lm, prompts, cache_dir, monkeypatch):
     monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(
         1.0 if w == 1 else 100.0 for w in widths))
