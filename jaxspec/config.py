@@ -437,7 +437,6 @@ class SpecConfig:
         return cls(method="sam", **overrides)
 
 
-
 def dynamic_tree_nodes(depth: int, top_k: int) -> int:
     """The nodes an EAGLE-2 dynamic tree drafts before its best K are kept: the root's top_k children, then
     top_k children for each of the top_k frontier nodes at every further level."""

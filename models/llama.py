@@ -182,9 +182,10 @@ def _in_read_bucket(attend, max_len: int, needed: jax.Array):
 
 # On a CPU, XLA's attention over many rows slows several-fold once the K/V a step reads outgrows the caches: the
 # scores' dot (q against K, a YNNPACK fusion) then runs far below memory speed. A one-token forward of 128 rows
-# reading 512 slots took 1036 ms, 354 ms in groups (docs/cpu-performance.md, "Attention in row groups"). A loop
-# over groups of rows whose K and V reads stay within this many bytes keeps each group's prefix copy and dots in
-# cache; rows are independent in attention, so the result is the same.
+# reading 512 slots took 1036 ms, 354 ms in groups (docs/cpu-performance.md, "Attention in row groups"). So the
+# rows attend in groups whose K and V reads stay within this many bytes, one group after another (small enough,
+# presumably, for each group's prefix copy and dots to stay in cache); rows are independent in attention, so the
+# result is the same.
 _ROW_GROUP_BYTES = 4 << 20
 
 

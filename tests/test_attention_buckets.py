@@ -182,6 +182,12 @@ def test_row_group():
     assert row_group(3, 2 * budget) == 1
 
 
+def test_row_group_is_the_whole_batch_off_a_cpu(monkeypatch):
+    """Off a CPU one group holds every row, however much K/V they read."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert row_group(128, llama._ROW_GROUP_BYTES) == 128
+
+
 @pytest.mark.parametrize("lengths", [[100, 600, 30, 300, 0, 450], [700, 1000, 10, 900]])
 @pytest.mark.parametrize("tree", [False, True])
 def test_attention_in_row_groups_equals_one_group(model, lengths, tree, small_row_groups):
@@ -199,8 +205,8 @@ def test_attention_in_row_groups_equals_one_group(model, lengths, tree, small_ro
     assert row_group(batch, llama._kv_row_bytes(cache.k[0], 512)) == 2  # so the loop below runs in groups
 
     def forward(**kw):
-        fn = jax.jit(lambda c: model(new, positions, c, tree_mask=mask, **kw))
-        return fn(cache), fn.lower(cache).compile().as_text()
+        compiled = jax.jit(lambda c: model(new, positions, c, tree_mask=mask, **kw)).lower(cache).compile()
+        return compiled(cache), compiled.as_text()
 
     results = {}
     for write in (True, False):
