@@ -281,6 +281,55 @@ def test_export_round_trip_gives_the_same_predictions(runs, kind, tiny_lm, reque
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_training_starts_from_an_exported_head(runs, kind, tiny_lm, request, readout, tmp_path):
+    trained = runs(kind)
+    path = save_head(tmp_path / "head", trained.head, kind=kind, metadata={"steps": trained.step})
+    start, _ = load_head(path, tiny_lm.config)
+    task = TASKS[kind]
+    batches = Batches(_data_for(kind, request), _spec(task), 4, seed=0)
+    config = _config(kind, steps=6, warmup_steps=1, lr=1e-4, save_every=3)
+    first = train(task, tiny_lm.config, readout, batches, config, tmp_path / "run", init=start, stop_after=4,
+                  progress=False)
+    # Step 1 scores the loaded head itself (the step's key is fold_in(key(seed), 0)), not a random one.
+    key = jax.random.fold_in(jax.random.key(config.seed), 0)
+    loss = _jitted(lambda h, b, k: task.loss(h, readout, b, k)[0], start)(batches.batch(0), key)
+    assert first.history[0]["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert first.history[0]["loss"] < trained.history[0]["loss"]
+    # The start is part of the run's identity: resumed from the same head, refused from another.
+    again = train(task, tiny_lm.config, readout, batches, config, tmp_path / "run", init=start, progress=False)
+    assert again.resumed_from == 3 and again.step == 6
+    with pytest.raises(ValueError, match="init"):
+        train(task, tiny_lm.config, readout, batches, config, tmp_path / "run", progress=False)
+
+
+def test_a_start_head_of_another_kind_is_a_value_error_naming_the_parameters(runs, tiny_lm, data, readout, tmp_path):
+    task = TASKS["medusa"]
+    batches = Batches(data, _spec(task), 4, seed=0)
+    with pytest.raises(ValueError, match="init head does not fit this task's head: missing .*unexpected"):
+        train(task, tiny_lm.config, readout, batches, _config("medusa", steps=2, warmup_steps=1), tmp_path,
+              init=runs("eagle").head, progress=False)
+
+
+def test_cli_init_from_checks_the_heads_kind_and_layers(runs, tiny_lm, tmp_path, capsys):
+    from jaxspec.train import eagle3
+    from jaxspec.train.cli import _initial_head
+
+    parser = build_parser("eagle3", defaults=eagle3.DEFAULTS, add_options=eagle3.add_options, description="")
+    eagle_file = save_head(tmp_path / "eagle", runs("eagle").head, kind="eagle", metadata={"steps": 40})
+    with pytest.raises(SystemExit):
+        _initial_head(str(eagle_file), TASKS["eagle3"], tiny_lm, parser)
+    assert "is a eagle head; this command trains eagle3 heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _initial_head(str(tmp_path / "absent.safetensors"), TASKS["eagle3"], tiny_lm, parser)
+    assert "does not exist" in capsys.readouterr().err
+    eagle3_file = save_head(tmp_path / "eagle3", runs("eagle3").head, kind="eagle3",
+                            metadata={"steps": 40, "command": "first run", "init_from": {"steps": 7}})
+    head, started_from = _initial_head(str(eagle3_file), TASKS["eagle3"], tiny_lm, parser)
+    assert started_from == {"path": str(eagle3_file), "steps": 40, "command": "first run", "init_from": {"steps": 7}}
+    assert head.feature_layers == LAYERS
+
+
 # -------------------------------------------------------------------------------------------- evaluation
 
 def test_eagle_chains_match_sequential_drafting(runs, data, readout):
@@ -366,7 +415,7 @@ def test_cli_help_explains_every_option(kind):
     options = ["--model", "--out", "--data", "--stdlib-prompts", "--gen-tokens", "--temperature", "--seq-len",
                "--batch-size", "--steps", "--epochs", "--lr", "--warmup-steps", "--weight-decay", "--clip",
                "--save-every", "--keep", "--seed", "--restart", "--eval-only", "--ship", "--data-parallel",
-               "--chat-prompts"]
+               "--chat-prompts", "--init-from"]
     options += (["--w-cls", "--noise", "--context", "--unroll", "--unroll-decay"] if kind.startswith("eagle")
                 else ["--num-heads", "--decay"])
     for option in options:

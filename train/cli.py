@@ -125,6 +125,11 @@ def build_parser(kind: str, *, defaults: dict, add_options: Callable, descriptio
                    help="AdamW weight decay of the weight matrices (not biases or norm scales) (default: %(default)s)")
     g.add_argument("--clip", type=positive(float), default=defaults["clip"],
                    help="clip gradients to this global norm (default: %(default)s)")
+    g.add_argument("--init-from", default=None, metavar="HEAD",
+                   help="start from this exported head (a head.safetensors of an earlier run, or a shipped one in "
+                        "models/weights/) instead of a random initialisation: a finished run continued with a new "
+                        "learning-rate schedule over --steps, or a head fine-tuned on other data; it must be a head "
+                        "of this kind for this model (default: random initialisation)")
     g.add_argument("--include-prompt", action="store_true",
                    help="also train on positions whose labels are prompt text (default: generated tokens only)")
     g.add_argument("--seed", type=nonnegative(int), default=0,
@@ -305,14 +310,38 @@ def _train(lm, task: HeadTask, readout, train_prompts, data_dir: Path, settings,
             parser.error(str(e))
     print(f"training data: {data.summary()}; {batches.num_windows} windows, {batches.steps_per_epoch} steps per "
           f"epoch, {config.steps} steps")
+    init, started_from = _initial_head(args.init_from, task, lm, parser) if args.init_from else (None, None)
     try:
         mesh = data_parallel_mesh(args.data_parallel, config.batch_size)  # --epochs kept the checked batch size
         result = train(task, lm.config, readout, batches, config, out, restart=args.restart,
                        progress=not args.no_progress, run_identity={"model": lm.name, "data": data.manifest["key"]},
-                       mesh=mesh)
-    except ValueError as e:  # checkpoints of a run with other settings
+                       mesh=mesh, init=init)
+    except ValueError as e:  # checkpoints of a run with other settings, or an init head that does not fit
         parser.error(str(e))
-    return result.head, result.step, {"train": config.identity(), "data": {"train": data.summary()}}, config
+    metadata = {"train": config.identity(), "data": {"train": data.summary()}}
+    if started_from is not None:
+        metadata["init_from"] = started_from
+    return result.head, result.step, metadata, config
+
+
+def _initial_head(path: str, task: HeadTask, lm, parser):
+    """--init-from: (head, what the exported file says of its training) for a head of the task's kind."""
+    from jaxspec.models.heads import load_head
+
+    try:
+        head, meta = load_head(path, lm.config)
+    except (ValueError, OSError) as e:
+        parser.error(f"--init-from {path!r}: {e}")
+    if meta.get("kind") != task.kind:
+        parser.error(f"--init-from {path!r} is a {meta.get('kind')} head; this command trains {task.kind} heads")
+    if tuple(meta.get("feature_layers") or ()) != tuple(task.feature_layers(lm.config)):
+        parser.error(f"--init-from {path!r} reads layers {meta.get('feature_layers')}; this {task.kind} head reads "
+                     f"{list(task.feature_layers(lm.config))}")
+    print(f"starting from {path} ({meta.get('steps')} steps: {meta.get('command', 'command not recorded')})")
+    # What the start was trained with, down the chain of runs that started from one another.
+    started_from = {"path": str(path), "steps": meta.get("steps"), "command": meta.get("command"),
+                    "init_from": meta.get("init_from")}
+    return head, {k: v for k, v in started_from.items() if v is not None}
 
 
 def training_prompts(lm, train_prompts: list[str], *, stdlib: int, chat: int) -> tuple[list[str], dict[str, int]]:

@@ -3,11 +3,16 @@
 Resuming is exact: a checkpoint holds the head's parameters, the optimizer state and the step; the batch of
 step s is a pure function of s (`Batches.batch`), and the step's random key is fold_in(key(seed), s). A run
 resumed from step s therefore computes the same losses as one that was never interrupted.
+
+A run may also start from a trained head (`init`) instead of a random one: a finished run continued with a new
+learning-rate schedule, or a head fine-tuned on other data. Its parameters' digest joins what a resumed run
+must match.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import time
@@ -221,7 +226,8 @@ def _host(metrics: dict) -> dict:
 
 def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, config: TrainConfig,
           out_dir: str | Path, *, run_identity: dict | None = None, restart: bool = False,
-          stop_after: int | None = None, progress: bool = True, mesh: Mesh | None = None) -> TrainResult:
+          stop_after: int | None = None, progress: bool = True, mesh: Mesh | None = None,
+          init: nnx.Module | None = None) -> TrainResult:
     """Train `task`'s head to `config.steps`, resuming from the latest checkpoint in `out_dir`/checkpoints.
 
     With a `mesh` (`jaxspec.sharding.make_mesh(data=N)`), training is data parallel over its "data" axis: each
@@ -232,6 +238,9 @@ def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, 
     `run_identity` (model, data) joins the config and the task's settings in what a checkpoint must match to
     be resumed; a mismatch is a ValueError naming the differences. `restart` deletes the checkpoints first.
     `stop_after` ends the call after that many total steps without saving (an interruption, for tests).
+    `init` (a head of the task's kind and shapes, e.g. from `load_head`) replaces the random initialisation;
+    ValueError naming the parameters that differ when it does not fit. Its digest joins the run's identity, so a
+    checkpoint of a run from another start is not resumed.
     Steps are logged to `out_dir`/train_log.jsonl.
     """
     out_dir = Path(out_dir)
@@ -242,6 +251,9 @@ def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, 
         check_data_parallel(mesh, config.batch_size)
     identity = {"config": config.identity(), "task": task.settings(), **(run_identity or {})}
     graphdef, params = nnx.split(task.new_head(cfg, config.seed))
+    if init is not None:
+        params = _initial_params(params, init)
+        identity["init"] = params_digest(params)
     tx = make_optimizer(config)
     state = TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32))
     if mesh is not None:  # before a restore: orbax restores into the shardings of the state it is given
@@ -296,6 +308,36 @@ def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, 
         checkpoints.close()
     return TrainResult(head=nnx.merge(graphdef, state.params), graphdef=graphdef, params=state.params,
                        step=int(state.step), history=history, resumed_from=resumed_from)
+
+
+def _initial_params(fresh, init: nnx.Module):
+    """The `fresh` state (a new head's, changed in place) holding `init`'s parameters as float32 (a loaded head
+    holds the file's dtype); ValueError naming what differs when `init` is not a head of the same names and shapes."""
+    want = {p: v[...] for p, v in nnx.to_flat_state(fresh)}
+    got = {p: v[...] for p, v in nnx.to_flat_state(nnx.split(init)[1])}
+    if set(got) != set(want):
+        missing, unexpected = sorted(map(_dotted, set(want) - set(got))), sorted(map(_dotted, set(got) - set(want)))
+        raise ValueError(f"init head does not fit this task's head: missing {missing}, unexpected {unexpected}")
+    shapes = {_dotted(p): (got[p].shape, want[p].shape) for p in want if got[p].shape != want[p].shape}
+    if shapes:
+        raise ValueError(f"init head's parameters have other shapes than this task's head, as (init, needed): {shapes}")
+    for path, var in nnx.to_flat_state(fresh):
+        var[...] = jnp.array(got[path], jnp.float32)  # a copy: the train step donates its state's buffers
+    return fresh
+
+
+def _dotted(path) -> str:
+    return ".".join(map(str, path))
+
+
+def params_digest(params) -> str:
+    """A short SHA-256 of a head's parameters (names, shapes, values): what a run started from."""
+    h = hashlib.sha256()
+    for path, var in sorted(nnx.to_flat_state(params), key=lambda item: tuple(map(str, item[0]))):
+        value = np.asarray(var[...])
+        h.update(f"{_dotted(path)}:{value.dtype}:{value.shape};".encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    return h.hexdigest()[:16]
 
 
 def _truncate_log(path: Path, step: int):
