@@ -171,6 +171,11 @@ def small_row_groups(monkeypatch):
     jax.clear_caches()
 
 
+# Row groups are XLA:CPU's remedy for a slow scores dot; off a CPU every row attends in one group.
+on_cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="attention in row groups runs on a CPU only")
+
+
+@on_cpu_only
 def test_row_group():
     """Rows per attention group: the largest divisor of the batch within the byte budget, the whole batch when it
     fits, one row when even one is over."""
@@ -188,6 +193,7 @@ def test_row_group_is_the_whole_batch_off_a_cpu(monkeypatch):
     assert row_group(128, llama._ROW_GROUP_BYTES) == 128
 
 
+@on_cpu_only
 @pytest.mark.parametrize("lengths", [[100, 600, 30, 300, 0, 450], [700, 1000, 10, 900]])
 @pytest.mark.parametrize("tree", [False, True])
 def test_attention_in_row_groups_equals_one_group(model, lengths, tree, small_row_groups):
