@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import statistics
@@ -140,19 +141,27 @@ def _forward(graphdef, params, cache, tokens: jax.Array, *, attention_impl: str)
 
 
 @functools.cache
-def _forward_code() -> str:
-    """A digest of the source of jaxspec's forward (the model's layers and attention, the CPU matmul paths):
-    a table measured under other code (another attention grouping, another kernel) is measured again."""
+def _forward_code(model_type: type) -> str:
+    """A digest of the source of the forward: jaxspec's (the model's layers and attention, the CPU matmul paths)
+    and the file defining the target's own class (`model_type`, a custom target's module). A table measured under
+    other code (another attention grouping, another kernel, an edited custom model) is measured again."""
     from .kernels import cpu
     from .models import llama
     files = [Path(llama.__file__), Path(cpu.__file__), Path(cpu.__file__).with_name("small_matmul.cc")]
+    try:
+        own = inspect.getsourcefile(model_type)
+    except TypeError:  # a class without a source file (built-in, or defined where no file holds it)
+        own = None
+    if own is not None:
+        files.append(Path(own))
+    files = list(dict.fromkeys(f.resolve() for f in files))  # the shipped Llama's file counts once
     return hashlib.sha256(b"".join(f.read_bytes() for f in files if f.exists())).hexdigest()[:16]
 
 
 def _key(lm, batch: int, cache_len: int, widths: tuple[int, ...], cached: int, attention_impl: str) -> str:
     device = jax.devices()[0]
     parts = [lm.name, repr(lm.config), jax.__version__, device.platform, getattr(device, "device_kind", ""),
-             os.cpu_count(), batch, cache_len, widths, cached, attention_impl, _forward_code()]
+             os.cpu_count(), batch, cache_len, widths, cached, attention_impl, _forward_code(type(lm.module))]
     if lm.mesh is not None:  # a partitioned forward costs what its mesh and rules make it cost
         parts += [dict(lm.mesh.shape), lm.rules]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]

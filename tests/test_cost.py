@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -162,10 +163,34 @@ def test_a_table_from_other_forward_code_is_measured_again(tiny_lm, cache_dir, m
     monkeypatch.setattr(cost, "_measure", lambda *a: pytest.fail("measured again under the same code"))
     assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (2.0, 2.0)
     cost._MEMO.clear()  # a new process, other code: measured again
-    monkeypatch.setattr(cost, "_forward_code", lambda: "other code")
+    monkeypatch.setattr(cost, "_forward_code", lambda model_type: "other code")
     monkeypatch.setattr(cost, "_measure", measuring(5.0))
     assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (5.0, 5.0)
     assert len(json.loads((cache_dir / "verify_cost.json").read_text())) == 2
+
+
+def test_a_custom_targets_own_source_joins_the_forward_digest(tmp_path, monkeypatch):
+    """A custom target's forward is its own code: an edit to the file defining its class changes the digest, so
+    its tables are measured again too; the shipped Llama's digest is another."""
+    import importlib.util
+
+    from jaxspec.models.llama import Llama
+
+    source = tmp_path / "my_target.py"
+
+    def digest(text: str) -> str:
+        source.write_text(text)
+        spec = importlib.util.spec_from_file_location("my_target", source)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, "my_target", module)  # as an imported module is: where its file is found
+        spec.loader.exec_module(module)
+        return cost._forward_code(module.MyTarget)
+
+    first = digest("class MyTarget:\n    width = 1\n")
+    assert first == digest("class MyTarget:\n    width = 1\n")  # same code, same digest
+    assert first != digest("class MyTarget:\n    width = 2\n")
+    assert cost._forward_code(Llama) != first
+    assert cost._forward_code(type(None)) == cost._forward_code(int)  # no source file: jaxspec's code alone
 
 
 def test_prohibitive_costs_mean_plain_steps_and_the_same_output(tiny_lm, prompts, cache_dir, monkeypatch):
