@@ -51,21 +51,29 @@ WORKLOADS = ("held-out", "held-out-chat")
 
 
 def configs(budgets: list[int], eagle_ks: list[int], wide: list[tuple[int, int, int]],
-            cost_aware: list[int] = ()) -> list[tuple[str, SpecConfig]]:
+            cost_aware: list[int] = (), *, whole_trees: bool = False,
+            eagle3_head: str | None = None) -> list[tuple[str, SpecConfig]]:
+    """(label, spec) of every configuration. `whole_trees`: the N-node trees score every node each step
+    (cost_aware=False; by default a ranked tree at one row scores what its measured cost repays), which is what the
+    acceptance targets are stated for. `eagle3_head`: an EAGLE-3 head file in place of the shipped one."""
+    whole = {"cost_aware": False} if whole_trees else {}
+    heads = {"eagle3": {"head_path": eagle3_head}} if eagle3_head else {}
     out = [("none", SpecConfig()), ("sam", SpecConfig(method="sam"))]
     out += [(f"medusa N={n}", SpecConfig(method="medusa", num_speculative_tokens=n,
                                          verify_widths=(1, n + 1))) for n in budgets]
     out += [(f"eagle K={k}", SpecConfig(method="eagle", num_speculative_tokens=k, verify_widths=(1, k + 1)))
             for k in eagle_ks]
     for method in ("eagle2", "eagle3"):
-        out += [(f"{method} N={n}", SpecConfig(method=method, num_speculative_tokens=n, verify_widths=(1, n + 1)))
+        head = heads.get(method, {})
+        out += [(f"{method} N={n}", SpecConfig(method=method, num_speculative_tokens=n, verify_widths=(1, n + 1),
+                                               **whole, **head))
                 for n in budgets]
         out += [(f"{method} N={n} d{d} k{k}", SpecConfig(method=method, num_speculative_tokens=n, tree_depth=d,
-                                                          tree_top_k=k, verify_widths=(1, n + 1)))
+                                                          tree_top_k=k, verify_widths=(1, n + 1), **whole, **head))
                 for n, d, k in wide]
         # The tree drafted whole, each step scoring the best nodes its measured cost affords (jaxspec.cost).
         out += [(f"{method} N={n} cost-aware", SpecConfig(method=method, num_speculative_tokens=n,
-                                                          verify_widths=(1, n + 1), cost_aware=True))
+                                                          verify_widths=(1, n + 1), cost_aware=True, **head))
                 for n in cost_aware]
     return out
 
@@ -176,6 +184,13 @@ def main(argv=None) -> int:
     parser.add_argument("--cost-aware-budgets", type=ints, default="15,31",
                         help="eagle2/eagle3 budgets also run with cost-aware verify widths: each step scores the "
                              "tree's best nodes up to the width its measured c(w) favours (default: %(default)s)")
+    parser.add_argument("--whole-trees", action="store_true",
+                        help="the N-node trees (--budgets, --eagle2-trees) score every node each step, as the "
+                             "acceptance targets are stated; by default a ranked tree at one row scores only the "
+                             "nodes its measured cost repays")
+    parser.add_argument("--eagle3-head", default=None, metavar="PATH",
+                        help="an EAGLE-3 head file (e.g. a run's head.safetensors) in place of the shipped one, to "
+                             "compare heads before shipping one (default: the shipped head)")
     parser.add_argument("--temperatures", type=floats, default="0,0.8", help="(default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved timed rounds (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default: %(default)s)")
@@ -193,7 +208,12 @@ def main(argv=None) -> int:
     if args.limit < 1 or args.new_tokens < 2 or args.repeats < 1 or args.skip < 0:
         parser.error("--limit and --repeats must be >= 1, --new-tokens >= 2 and --skip >= 0")
     methods = {m for m in args.methods.split(",") if m}
-    chosen = [(label, spec) for label, spec in configs(args.budgets, args.eagle_ks, wide, args.cost_aware_budgets)
+    try:
+        every = configs(args.budgets, args.eagle_ks, wide, args.cost_aware_budgets, whole_trees=args.whole_trees,
+                        eagle3_head=args.eagle3_head)
+    except ValueError as e:  # a head path SpecConfig refuses
+        parser.error(str(e))
+    chosen = [(label, spec) for label, spec in every
               if not methods or label == "none" or label.split()[0] in methods]
 
     warn_if_few_memory_maps(len(chosen))

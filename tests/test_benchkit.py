@@ -73,6 +73,21 @@ def test_lookup_rules_replay_prices_the_corpus_beside_the_row_text():
 
 # ------------------------------------------------------------------------------------------------ tables
 
+def test_bench_heads_scores_whole_trees_with_the_head_asked_for():
+    """The acceptance targets are stated for whole trees: --whole-trees turns cost-aware widths off for the
+    N-node trees (not for the cost-aware ones), and --eagle3-head puts a head file into every eagle3 tree."""
+    import bench_heads
+
+    usual = dict(bench_heads.configs([31], [], [(31, 6, 10)], [31]))
+    assert usual["eagle3 N=31"].cost_aware is None and usual["eagle3 N=31"].head_path is None
+    chosen = dict(bench_heads.configs([31], [], [(31, 6, 10)], [31], whole_trees=True, eagle3_head="run/head"))
+    for label in ("eagle3 N=31", "eagle3 N=31 d6 k10", "eagle2 N=31", "eagle2 N=31 d6 k10"):
+        assert chosen[label].cost_aware is False
+    assert chosen["eagle3 N=31 cost-aware"].cost_aware is True
+    assert {label for label, spec in chosen.items() if spec.head_path == "run/head"} == {
+        "eagle3 N=31", "eagle3 N=31 d6 k10", "eagle3 N=31 cost-aware"}
+
+
 def test_markdown_table():
     assert tables.head(["batch", "tokens/s"]) == "| batch | tokens/s |\n|---|---|"
     assert tables.row([8, "125.4", None]) == "| 8 | 125.4 | None |"
