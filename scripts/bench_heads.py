@@ -188,13 +188,13 @@ def main(argv=None) -> int:
     parser.add_argument("--cost-aware-budgets", type=ints, default="15,31",
                         help="eagle2/eagle3 budgets also run with cost-aware verify widths: each step scores the "
                              "tree's best nodes up to the width its measured c(w) favours (default: %(default)s)")
+    parser.add_argument("--eagle3-head", default=None, metavar="PATH",
+                        help="an EAGLE-3 head file (e.g. a run's head.safetensors) in place of the shipped one, to "
+                             "compare heads before shipping one (default: the shipped head)")
     parser.add_argument("--whole-trees", action="store_true",
                         help="the N-node trees (--budgets, --eagle2-trees) score every node each step, as the "
                              "acceptance targets are stated; by default a ranked tree at one row scores only the "
                              "nodes its measured cost repays")
-    parser.add_argument("--eagle3-head", default=None, metavar="PATH",
-                        help="an EAGLE-3 head file (e.g. a run's head.safetensors) in place of the shipped one, to "
-                             "compare heads before shipping one (default: the shipped head)")
     parser.add_argument("--temperatures", type=floats, default="0,0.8", help="(default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved timed rounds (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default: %(default)s)")
