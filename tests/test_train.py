@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxspec
 from jaxspec.models.heads import Readout, load_head, save_head
 from jaxspec.train import (
     Batches,
@@ -403,6 +404,25 @@ def test_evaluation_summaries(runs, kind, data, readout):
         metric = [loss(b) for b in Batches(data, _spec(task), 4).in_order()]
         right = sum(float(m["accuracy"]) * float(m["tokens"]) for m in metric)
         assert probs[0, 0] == pytest.approx(right / summary["scored_positions"], abs=1e-4)
+
+
+def test_measured_acceptance_scores_the_whole_default_draft(tiny_lm, head_files, tmp_path, monkeypatch):
+    """The acceptance written into head.json is the head's: its default tree scored whole, even where the measured
+    cost of a wide forward would have the cost-aware default score no node (here every width but 1 costs 100)."""
+    from jaxspec import cost
+    from jaxspec.train.evaluate import acceptance
+
+    monkeypatch.setenv(cost.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cost, "_MEMO", {})
+    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(
+        1.0 if w == 1 else 100.0 for w in widths))
+    prompts = _prompts(5, 2)
+    got = acceptance(tiny_lm, "eagle3", head_files["eagle3"], prompts, max_new_tokens=8)
+    assert got["cost_aware"] is False and got["prompts"] == 2
+    assert got["acceptance_rate_per_position"][0] is not None  # drafts were scored
+    costly = jaxspec.generate(tiny_lm, prompts, max_new_tokens=8,
+                              spec=jaxspec.SpecConfig(method="eagle3", head_path=str(head_files["eagle3"])))
+    assert costly.stats.drafted == 0  # what the cost-aware default would have measured: nothing
 
 
 # ---------------------------------------------------------------------------------------------- commands

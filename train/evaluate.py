@@ -84,15 +84,17 @@ def accumulate(count_fn, batches: Iterable[Batch]) -> dict[str, np.ndarray]:
 
 
 def acceptance(lm, method: str, head_path: str | Path, prompts, *, max_new_tokens: int) -> dict | None:
-    """Mean acceptance length of greedy speculative decoding with the head at `head_path` on `prompts`."""
+    """Mean acceptance length of greedy speculative decoding with the head at `head_path` on `prompts`, its default
+    draft scored whole: with widths chosen by measured cost (the default above one row) the figure would follow
+    this machine's costs, not the head."""
     try:
-        spec = jaxspec.SpecConfig(method=method, head_path=str(head_path))
+        spec = jaxspec.SpecConfig(method=method, head_path=str(head_path), cost_aware=False)
     except (TypeError, ValueError) as e:  # SpecConfig without head_path support (being added)
         print(f"acceptance evaluation unavailable: SpecConfig(head_path=...) was rejected: {e}")
         return None
     s = jaxspec.generate(lm, list(prompts), max_new_tokens=max_new_tokens, spec=spec).stats
     # Speed is left out: this single call includes compiling the speculative loop (scripts/bench_heads.py
     # measures speed). Positions never drafted have no rate (None, not NaN: the metadata is strict JSON).
-    return {"method": method, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+    return {"method": method, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "cost_aware": False,
             "mean_acceptance_length": round(s.mean_acceptance_length, 4),
             "acceptance_rate_per_position": [None if a != a else round(a, 4) for a in s.acceptance_rate_per_position]}
