@@ -222,9 +222,25 @@ def _weights_file(path: str | Path) -> Path:
     return path if path.suffix == ".safetensors" else path.with_name(path.name + ".safetensors")
 
 
-def _flat(state: nnx.State) -> dict[str, np.ndarray]:
+def flat_params(state: nnx.State) -> dict[str, np.ndarray]:
+    """A head's state as {dotted parameter name: array}, the names its files use."""
     return {".".join(map(str, path)): np.asarray(v[...] if hasattr(v, "get_value") else v)
             for path, v in nnx.to_flat_state(state)}
+
+
+def fill_params(state: nnx.State, values: dict[str, Any], *, source: str, needed: str) -> None:
+    """Write `values` ({dotted name: array}, as `flat_params` gives) into `state` in place, as float32 copies;
+    ValueError naming `source` and the names missing, unexpected or of other shapes than `needed` has."""
+    flat = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
+    if set(values) != set(flat):
+        raise ValueError(f"{source} does not fit {needed}: missing {sorted(set(flat) - set(values))}, "
+                         f"unexpected {sorted(set(values) - set(flat))}")
+    shapes = {name: (tuple(values[name].shape), tuple(var[...].shape)) for name, var in flat.items()
+              if tuple(values[name].shape) != tuple(var[...].shape)}
+    if shapes:
+        raise ValueError(f"{source}: parameters of other shapes than {needed} has, as (given, needed): {shapes}")
+    for name, var in flat.items():
+        var[...] = jnp.array(values[name], jnp.float32)  # a copy: a train step donates its state's buffers
 
 
 def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any] | None = None) -> Path:
@@ -234,7 +250,7 @@ def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any
     path = _weights_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _, state = nnx.split(head)
-    save_file({k: v.astype(np.float16) for k, v in _flat(state).items()}, str(path))
+    save_file({k: v.astype(np.float16) for k, v in flat_params(state).items()}, str(path))
     meta = {"kind": kind, "num_heads": getattr(head, "num_heads", None), **(metadata or {})}
     if getattr(head, "feature_layers", ()):
         meta["feature_layers"] = list(head.feature_layers)
@@ -254,18 +270,8 @@ def load_head(path: str | Path, cfg: ModelConfig):
     head = new_head(meta["kind"], cfg, num_heads=meta.get("num_heads") or 1,
                     feature_layers=None if layers is None else tuple(layers))
     graphdef, state = nnx.split(head)
-    stored = load_file(str(path))
-    flat = dict(nnx.to_flat_state(state))
-    expected = {".".join(map(str, p)) for p in flat}
-    if set(stored) != expected:
-        raise ValueError(f"head file {str(path)!r} does not match a {meta['kind']} head for this model: "
-                         f"missing {sorted(expected - set(stored))}, unexpected {sorted(set(stored) - expected)}")
-    for p, var in flat.items():
-        value = stored[".".join(map(str, p))]
-        if value.shape != var[...].shape:
-            raise ValueError(f"head file {str(path)!r}: {'.'.join(map(str, p))} has shape {value.shape}, "
-                             f"this model needs {var[...].shape}")
-        var[...] = jnp.asarray(value, jnp.float32)
+    fill_params(state, load_file(str(path)), source=f"head file {str(path)!r}",
+                needed=f"a {meta['kind']} head for this model")
     return nnx.merge(graphdef, state), meta
 
 

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.heads import Readout
+from jaxspec.models.heads import Readout, fill_params, flat_params
 from jaxspec.sharding import DATA, replicate
 
 from .batches import Batch, Batches
@@ -252,7 +252,7 @@ def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, 
     identity = {"config": config.identity(), "task": task.settings(), **(run_identity or {})}
     graphdef, params = nnx.split(task.new_head(cfg, config.seed))
     if init is not None:
-        params = _initial_params(params, init)
+        fill_params(params, flat_params(nnx.split(init)[1]), source="init head", needed="this task's head")
         identity["init"] = params_digest(params)
     tx = make_optimizer(config)
     state = TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32))
@@ -310,32 +310,11 @@ def train(task: HeadTask, cfg: ModelConfig, readout: Readout, batches: Batches, 
                        step=int(state.step), history=history, resumed_from=resumed_from)
 
 
-def _initial_params(fresh, init: nnx.Module):
-    """The `fresh` state (a new head's, changed in place) holding `init`'s parameters as float32 (a loaded head
-    holds the file's dtype); ValueError naming what differs when `init` is not a head of the same names and shapes."""
-    want = {p: v[...] for p, v in nnx.to_flat_state(fresh)}
-    got = {p: v[...] for p, v in nnx.to_flat_state(nnx.split(init)[1])}
-    if set(got) != set(want):
-        missing, unexpected = sorted(map(_dotted, set(want) - set(got))), sorted(map(_dotted, set(got) - set(want)))
-        raise ValueError(f"init head does not fit this task's head: missing {missing}, unexpected {unexpected}")
-    shapes = {_dotted(p): (got[p].shape, want[p].shape) for p in want if got[p].shape != want[p].shape}
-    if shapes:
-        raise ValueError(f"init head's parameters have other shapes than this task's head, as (init, needed): {shapes}")
-    for path, var in nnx.to_flat_state(fresh):
-        var[...] = jnp.array(got[path], jnp.float32)  # a copy: the train step donates its state's buffers
-    return fresh
-
-
-def _dotted(path) -> str:
-    return ".".join(map(str, path))
-
-
 def params_digest(params) -> str:
     """A short SHA-256 of a head's parameters (names, shapes, values): what a run started from."""
     h = hashlib.sha256()
-    for path, var in sorted(nnx.to_flat_state(params), key=lambda item: tuple(map(str, item[0]))):
-        value = np.asarray(var[...])
-        h.update(f"{_dotted(path)}:{value.dtype}:{value.shape};".encode())
+    for name, value in sorted(flat_params(params).items()):
+        h.update(f"{name}:{value.dtype}:{value.shape};".encode())
         h.update(np.ascontiguousarray(value).tobytes())
     return h.hexdigest()[:16]
 
