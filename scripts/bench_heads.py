@@ -42,6 +42,7 @@ from benchkit.acceptance import pooled_acceptance_length
 from benchkit.cli import floats, ints
 from benchkit.timing import interleave
 from jaxspec import SamplingParams, SpecConfig
+from jaxspec.methods import METHODS
 
 # (workload, method) -> mean acceptance length wanted of its best budget, greedy
 ACCEPTANCE_TARGETS = {("held-out", "eagle2"): 3.0, ("held-out", "medusa"): 2.0, ("held-out", "eagle3"): 3.2,
@@ -57,7 +58,10 @@ def configs(budgets: list[int], eagle_ks: list[int], wide: list[tuple[int, int, 
     (cost_aware=False; by default a ranked tree at one row scores what its measured cost repays), which is what the
     acceptance targets are stated for. `eagle3_head`: an EAGLE-3 head file in place of the shipped one."""
     whole = {"cost_aware": False} if whole_trees else {}
-    heads = {"eagle3": {"head_path": eagle3_head}} if eagle3_head else {}
+    # A head_path alone drafts over the full vocabulary; the shipped head's draft vocabulary keeps a head file
+    # compared with the shipped head like for like (its ranking: beside the file, else the shipped one).
+    heads = {"eagle3": {"head_path": eagle3_head, "draft_vocab": METHODS["eagle3"].defaults["draft_vocab"]}
+             } if eagle3_head else {}
     out = [("none", SpecConfig()), ("sam", SpecConfig(method="sam"))]
     out += [(f"medusa N={n}", SpecConfig(method="medusa", num_speculative_tokens=n,
                                          verify_widths=(1, n + 1))) for n in budgets]

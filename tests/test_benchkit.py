@@ -86,6 +86,8 @@ def test_bench_heads_scores_whole_trees_with_the_head_asked_for():
     assert chosen["eagle3 N=31 cost-aware"].cost_aware is True
     assert {label for label, spec in chosen.items() if spec.head_path == "run/head"} == {
         "eagle3 N=31", "eagle3 N=31 d6 k10", "eagle3 N=31 cost-aware"}
+    # ... drafting over the shipped head's draft vocabulary, as the shipped head does (a head_path alone: all).
+    assert chosen["eagle3 N=31"].draft_vocab == usual["eagle3 N=31"].draft_vocab == 4096
 
 
 def test_markdown_table():
