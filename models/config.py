@@ -78,37 +78,53 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], *, dtype: str = "float32") -> "ModelConfig":
-        """From a Hugging Face `config.json` dict (LlamaForCausalLM, Qwen2ForCausalLM and kin)."""
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        scaling = cfg.get("rope_scaling") or {}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        rope = RopeConfig(
-            theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_type=rope_type,
-            factor=float(scaling.get("factor", 1.0)),
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))),
-            beta_fast=float(scaling.get("beta_fast", 32.0)),
-            beta_slow=float(scaling.get("beta_slow", 1.0)),
-            attention_factor=scaling.get("attention_factor"),
-        )
-        model_type = cfg.get("model_type", "llama")
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=rope,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-            dtype=dtype,
-        )
+    def from_hf(cls, cfg: dict[str, Any], *, dtype: str = "float32", source: str = "config.json") -> "ModelConfig":
+        """From a Hugging Face `config.json` dict (LlamaForCausalLM, Qwen2ForCausalLM and kin).
+
+        ValueError (`jaxspec.models.files.FileError`) naming `source`, the field, the type it must have and the
+        value, for a missing or mistyped field or a value the config refuses."""
+        from .files import FileError, field, json_object
+
+        cfg = json_object(cfg, source)
+        heads = field(cfg, "num_attention_heads", "int", source)
+        hidden = field(cfg, "hidden_size", "int", source)
+        if heads <= 0:
+            raise FileError(f"{source}: field 'num_attention_heads'={heads} must be positive")
+        head_dim = field(cfg, "head_dim", "int", source, hidden // heads)
+        scaling = field(cfg, "rope_scaling", "dict", source, {})
+        where = f"{source} (rope_scaling)"
+        rope_type = field(scaling, "rope_type", "str", where, field(scaling, "type", "str", where, "default"))
+        try:
+            rope = RopeConfig(
+                theta=float(field(cfg, "rope_theta", "number", source, 10000.0)),
+                rope_type=rope_type,
+                factor=float(field(scaling, "factor", "number", where, 1.0)),
+                low_freq_factor=float(field(scaling, "low_freq_factor", "number", where, 1.0)),
+                high_freq_factor=float(field(scaling, "high_freq_factor", "number", where, 4.0)),
+                original_max_position_embeddings=field(
+                    scaling, "original_max_position_embeddings", "int", where,
+                    field(cfg, "max_position_embeddings", "int", source, 8192)),
+                beta_fast=float(field(scaling, "beta_fast", "number", where, 32.0)),
+                beta_slow=float(field(scaling, "beta_slow", "number", where, 1.0)),
+                attention_factor=field(scaling, "attention_factor", "number", where, None),
+            )
+            model_type = field(cfg, "model_type", "str", source, "llama")
+            return cls(
+                vocab_size=field(cfg, "vocab_size", "int", source),
+                hidden_size=hidden,
+                intermediate_size=field(cfg, "intermediate_size", "int", source),
+                num_layers=field(cfg, "num_hidden_layers", "int", source),
+                num_heads=heads,
+                num_kv_heads=field(cfg, "num_key_value_heads", "int", source, heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(field(cfg, "rms_norm_eps", "number", source, 1e-6)),
+                rope=rope,
+                tie_word_embeddings=field(cfg, "tie_word_embeddings", "bool", source, False),
+                attention_bias=field(cfg, "attention_bias", "bool", source, model_type == "qwen2"),
+                max_position_embeddings=field(cfg, "max_position_embeddings", "int", source, 8192),
+                dtype=dtype,
+            )
+        except FileError:
+            raise
+        except ValueError as e:  # a value the config refuses (RopeConfig, ModelConfig.__post_init__)
+            raise FileError(f"{source}: {e}") from None

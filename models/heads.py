@@ -40,6 +40,7 @@ from jaxspec.cache import KVCache
 from jaxspec.target import check_config, check_readout
 
 from .config import ModelConfig
+from .files import REQUIRED, FileError, SafetensorsFile, describe, field, json_object, read_json
 from .llama import DecoderLayer, RMSNorm, _dense_init, visibility_mask
 from .rope import rope_tables
 
@@ -228,17 +229,29 @@ def flat_params(state: nnx.State) -> dict[str, np.ndarray]:
             for path, v in nnx.to_flat_state(state)}
 
 
+def _flat(state: nnx.State) -> dict[str, Any]:
+    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
+
+
+def check_shapes(given: dict[str, tuple[int, ...]], needed_shapes: dict[str, tuple[int, ...]], *, source: str,
+                 needed: str) -> None:
+    """ValueError naming `source` and the parameters missing from `given`, unexpected in it, or of other shapes
+    than `needed` (a description of the head) has."""
+    if set(given) != set(needed_shapes):
+        raise ValueError(f"{source} does not fit {needed}: missing {sorted(set(needed_shapes) - set(given))}, "
+                         f"unexpected {sorted(set(given) - set(needed_shapes))}")
+    shapes = {name: (given[name], shape) for name, shape in needed_shapes.items() if given[name] != shape}
+    if shapes:
+        raise ValueError(f"{source}: parameters of other shapes than {needed} has, as (given, needed): "
+                         f"{describe(shapes, 400)}")
+
+
 def fill_params(state: nnx.State, values: dict[str, Any], *, source: str, needed: str) -> None:
     """Write `values` ({dotted name: array}, as `flat_params` gives) into `state` in place, as float32 copies;
     ValueError naming `source` and the names missing, unexpected or of other shapes than `needed` has."""
-    flat = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
-    if set(values) != set(flat):
-        raise ValueError(f"{source} does not fit {needed}: missing {sorted(set(flat) - set(values))}, "
-                         f"unexpected {sorted(set(values) - set(flat))}")
-    shapes = {name: (tuple(values[name].shape), tuple(var[...].shape)) for name, var in flat.items()
-              if tuple(values[name].shape) != tuple(var[...].shape)}
-    if shapes:
-        raise ValueError(f"{source}: parameters of other shapes than {needed} has, as (given, needed): {shapes}")
+    flat = _flat(state)
+    check_shapes({name: tuple(v.shape) for name, v in values.items()},
+                 {name: tuple(var[...].shape) for name, var in flat.items()}, source=source, needed=needed)
     for name, var in flat.items():
         var[...] = jnp.array(values[name], jnp.float32)  # a copy: a train step donates its state's buffers
 
@@ -258,20 +271,59 @@ def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any
     return path
 
 
-def load_head(path: str | Path, cfg: ModelConfig):
-    """(head module, metadata) from a file written by `save_head`, for a target of config `cfg`."""
-    from safetensors.numpy import load_file
+HEAD_KINDS = ("medusa", "eagle", "eagle3")
 
+
+def _head_settings(meta: Any, cfg: ModelConfig, source: str) -> tuple[HeadKind, int, tuple[int, ...] | None]:
+    """(kind, num_heads, feature_layers) from a head's metadata, each field checked for this target."""
+    meta = json_object(meta, source)
+    kind = field(meta, "kind", "str", source)
+    if kind not in HEAD_KINDS:
+        raise FileError(f"{source}: field 'kind'={describe(kind)} must be one of {HEAD_KINDS}")
+    num_heads = field(meta, "num_heads", "int", source, None if kind != "medusa" else REQUIRED)
+    if kind == "medusa" and num_heads < 1:
+        raise FileError(f"{source}: field 'num_heads'={num_heads} must be >= 1")
+    layers = field(meta, "feature_layers", "list", source, None)
+    if kind == "eagle3" and layers is not None:
+        if not layers or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.num_layers
+                                 for i in layers) or len(set(layers)) != len(layers):
+            raise FileError(f"{source}: field 'feature_layers' must list distinct decoder layers of this "
+                            f"{cfg.num_layers}-layer model; got {describe(layers)}")
+        layers = tuple(layers)
+    return kind, num_heads if kind == "medusa" else 1, layers if kind == "eagle3" else None
+
+
+def load_head(path: str | Path, cfg: ModelConfig):
+    """(head module, metadata) from a file written by `save_head`, for a target of config `cfg`.
+
+    `path` is the .safetensors file (or its name without the suffix); its metadata is the .json beside it.
+    Everything is checked before the head is built: a missing file, bad JSON (with its position), a missing or
+    mistyped field (`kind`, Medusa's `num_heads`, EAGLE-3's `feature_layers`), parameters missing, unexpected or
+    of other shapes than this target's head needs (compared from the file's header, so nothing is allocated for
+    a corrupt one), a truncated file, non-float dtypes and NaN or infinite values each raise a ValueError
+    (`jaxspec.models.files.FileError`) naming the file and the problem.
+    """
     path = _weights_file(path)
     if not path.exists():
-        raise ValueError(f"head file {str(path)!r} does not exist")
-    meta = json.loads(path.with_suffix(".json").read_text())
-    layers = meta.get("feature_layers")
-    head = new_head(meta["kind"], cfg, num_heads=meta.get("num_heads") or 1,
-                    feature_layers=None if layers is None else tuple(layers))
+        raise FileError(f"head file {str(path)!r} does not exist")
+    meta_path = path.with_suffix(".json")
+    if not meta_path.exists():
+        raise FileError(f"head metadata {str(meta_path)!r} does not exist (save_head writes it beside "
+                        f"{path.name!r})")
+    meta = read_json(meta_path, "head metadata")
+    kind, num_heads, layers = _head_settings(meta, cfg, f"head metadata {str(meta_path)!r}")
+    weights = SafetensorsFile(path, "head file")
+    weights.check_float()
+    needed = f"a {kind} head for this model (hidden_size={cfg.hidden_size}"
+    needed += f", num_heads={num_heads})" if kind == "medusa" else ")"
+    abstract = nnx.eval_shape(lambda: new_head(kind, cfg, num_heads=num_heads, feature_layers=layers))
+    shapes = {name: tuple(var.get_value().shape) for name, var in _flat(nnx.state(abstract)).items()}
+    check_shapes(weights.shapes, shapes, source=weights.source, needed=needed)
+    values = {name: weights.read(name) for name in shapes}
+    weights.close()
+    head = new_head(kind, cfg, num_heads=num_heads, feature_layers=layers)
     graphdef, state = nnx.split(head)
-    fill_params(state, load_file(str(path)), source=f"head file {str(path)!r}",
-                needed=f"a {meta['kind']} head for this model")
+    fill_params(state, values, source=weights.source, needed=needed)
     return nnx.merge(graphdef, state), meta
 
 

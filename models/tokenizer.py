@@ -22,6 +22,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from .files import FileError, describe, json_object, read_json
+
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special (never split, dropped by
 # skip_special_tokens); USER_DEFINED tokens are also matched atomically in text but are ordinary text.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -186,8 +188,16 @@ class Tokenizer:
         parts = _PRE_TOKENIZERS[pre]()
 
         tokens: list[str] = _gguf_value(reader, "tokenizer.ggml.tokens")
+        if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)):
+            raise ValueError(f"tokenizer.ggml.tokens must be a non-empty list of strings; got {describe(tokens)}")
         types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in _gguf_value(reader, "tokenizer.ggml.merges", [])]
+        if not (isinstance(types, list) and len(types) == len(tokens)):
+            raise ValueError(f"tokenizer.ggml.token_type must be a list of {len(tokens)} integers, one per token; "
+                             f"got {describe(types)}")
+        merges = _gguf_value(reader, "tokenizer.ggml.merges", [])
+        if not (isinstance(merges, list) and all(isinstance(m, str) and " " in m for m in merges)):
+            raise ValueError(f"tokenizer.ggml.merges must be a list of 'left right' strings; got {describe(merges)}")
+        merges = [tuple(m.split(" ", 1)) for m in merges]
         vocab = {tok: i for i, tok in enumerate(tokens)}
         if len(vocab) != len(tokens):
             raise ValueError("tokenizer.ggml.tokens has duplicate entries; ids would not round-trip")
@@ -211,7 +221,9 @@ class Tokenizer:
 
         def token_id(key: str) -> int | None:
             value = _gguf_value(reader, key)
-            return None if value is None else int(value)
+            if value is not None and not (isinstance(value, int) and 0 <= value < len(tokens)):
+                raise ValueError(f"{key} must be a token id in [0, {len(tokens)}); got {describe(value)}")
+            return value
 
         return cls(
             backend,
@@ -226,12 +238,17 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
         """Build from a Hugging Face tokenizer folder (``tokenizer.json`` + optional config files)."""
-        backend = _Backend.from_file(os.path.join(path, "tokenizer.json"))
+        tokenizer_path = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tokenizer_path):
+            raise FileError(f"tokenizer file {tokenizer_path!r} does not exist")
+        try:
+            backend = _Backend.from_file(tokenizer_path)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception for a bad file
+            raise FileError(f"tokenizer file {tokenizer_path!r} cannot be read: {e}") from None
         config: dict[str, Any] = {}
         config_path = os.path.join(path, "tokenizer_config.json")
         if os.path.exists(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+            config = json_object(read_json(config_path, "tokenizer config"), f"tokenizer config {config_path!r}")
 
         # Newer transformers write the template to its own file; those take precedence, as there.
         template = config.get("chat_template")
@@ -241,11 +258,14 @@ class Tokenizer:
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
         elif os.path.exists(json_path):
-            with open(json_path, encoding="utf-8") as f:
-                template = json.load(f).get("chat_template")
+            template = json_object(read_json(json_path, "chat template file"),
+                                   f"chat template file {json_path!r}").get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: use the default one
-            named = {t.get("name"): t.get("template") for t in template}
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise FileError(f"{path!r}: the chat template must be a string or a list "
+                            f"of named templates; got {describe(template)}")
 
         def token_id(key: str) -> int | None:
             content = _token_content(config.get(key))

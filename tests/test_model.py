@@ -166,5 +166,7 @@ def test_checkpoint_shape_mismatch_is_named(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="mlp.gate_up"):
+    # Named by the checkpoint's tensor and the config field its shape comes from, before any weight is read.
+    with pytest.raises(ValueError, match=r"mlp\.gate_proj\.weight is \[112, 64\], the config needs \[128, 64\] "
+                                         r"\(intermediate_size, hidden_size\)"):
         jaxspec.load_model(tmp_path)
