@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Any, Sequence
 
@@ -233,6 +234,35 @@ def _check_scalars(lm: LanguageModel, *, max_new_tokens, logprobs, ignore_eos, m
                          f"(the context length of {lm.name!r})")
 
 
+def available_memory() -> int:
+    """Bytes the device can hold: its allocator's limit where it reports one (GPUs), else the host's memory."""
+    stats = jax.local_devices()[0].memory_stats() or {}  # a process can read only its own devices
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def rows_bytes(lm: LanguageModel, *, num_rows: int, cache_len: int, history_len: int, logprobs: bool) -> int:
+    """Bytes `num_rows` decoding rows hold on the device: KV cache, token history, log-probabilities."""
+    cfg = lm.config
+    dtype_bytes = jax.tree.leaves(lm.params)[0].dtype.itemsize
+    kv = num_rows * cfg.num_layers * 2 * cfg.num_kv_heads * cache_len * cfg.head_dim * dtype_bytes
+    return kv + num_rows * history_len * (4 + 1 + (4 if logprobs else 0))
+
+
+def _check_memory(lm: LanguageModel, ids: list[list[int]], max_new_tokens: int, logprobs: bool) -> None:
+    """ValueError naming the batch and max_new_tokens, with the bytes needed and available, when the batch's rows
+    would not fit in the device's memory; from the sizes alone, before anything is allocated per row."""
+    width, buffer_len, cache_len = bucket_shapes([len(p) for p in ids], max(max_new_tokens, 1))
+    need = rows_bytes(lm, num_rows=len(ids), cache_len=cache_len, history_len=width + buffer_len, logprobs=logprobs)
+    need //= 1 if lm.mesh is None else lm.mesh.size  # on a mesh, at best spread evenly over its devices
+    have = available_memory()
+    if need > have:
+        raise ValueError(f"{len(ids)} prompts with max_new_tokens={max_new_tokens} need about {need} bytes "
+                         f"({need / 2**30:.2f} GiB of KV cache and history) but {have} bytes "
+                         f"({have / 2**30:.2f} GiB) are available: pass fewer prompts or lower max_new_tokens")
+
+
 _SEED_LIMIT = 2**32 - 1
 
 
@@ -316,6 +346,7 @@ def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, samp
         if len(p) + max_new_tokens > limit:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                              f"{len(p) + max_new_tokens} cache slots but max_cache_len={limit}")
+    _check_memory(lm, ids, max_new_tokens, logprobs is not None)
     stop_table = _stop_ids(lm, len(ids), stop_token_ids, ignore_eos)
     rows = _seeded(_row_sampling(sampling, len(ids)), rng)
     return _Request(ids=ids, sampling=rows, stop_table=stop_table, spec=spec, max_new_tokens=max_new_tokens,

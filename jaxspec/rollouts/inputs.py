@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import jax
@@ -12,13 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import SamplingParams, SpecConfig, is_integer
-from ..generation import _stop_ids, normalise_prompts
+from ..generation import _stop_ids, available_memory, normalise_prompts, rows_bytes
 from ..limits import check_token_ids, is_token_list
 from ..models.loading import LanguageModel
 from ..proposers.group_sam import GroupReferences
-from ..shapes import next_pow2
+from ..shapes import bucket_shapes, next_pow2
 
 LOGPROB_MODES = ("sampling", "raw")  # under the distribution sampled from, or the target's raw softmax
+MAX_ROWS = 2**31 - 1  # samples of one rollout: rows, seeds and positions are int32 on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +175,15 @@ def validate(lm: LanguageModel, prompts, *, num_samples, max_new_tokens, samplin
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                              f"{len(p) + max_new_tokens} positions, more than the context length {limit}")
     prompt_offset = _check_int("prompt_offset", prompt_offset, 0)
+    # Before anything is built per row (seeds, sampling arrays, stop table: P * G of each): a rollout that cannot
+    # fit is refused from its sizes alone. The loop checks again once the proposer's indexes are sized.
+    num_rows = len(ids) * num_samples
+    if num_rows > MAX_ROWS:
+        raise ValueError(f"num_samples={num_samples} x {len(ids)} prompts is {num_rows} samples; at most {MAX_ROWS} "
+                         "fit one rollout (rows are numbered with int32)")
+    width, buffer_len, cache_len = bucket_shapes([len(p) for p in ids], max_new_tokens)
+    check_memory(lm, num_prompts=len(ids), num_samples=num_samples, max_new_tokens=max_new_tokens,
+                 logprobs=bool(logprobs), cache_len=cache_len, history_len=width + buffer_len, index_bytes=0)
     seeds = sample_seeds(int(seed), len(ids), num_samples, prompt_offset).reshape(-1)  # u32[P * G]
     rows = SamplingParams.stack([s for s in per_prompt for _ in range(num_samples)])
     rows = rows.replace(seed=jnp.asarray(seeds))
@@ -184,27 +193,20 @@ def validate(lm: LanguageModel, prompts, *, num_samples, max_new_tokens, samplin
                          references=refs, logprobs=bool(logprobs), logprobs_mode=logprobs_mode)
 
 
-def available_memory() -> int:
-    """Bytes the device can hold: its allocator's limit where it reports one (GPUs), else the host's memory."""
-    stats = jax.local_devices()[0].memory_stats() or {}  # a process can read only its own devices
-    if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_memory(lm: LanguageModel, inputs: RolloutInputs, *, cache_len: int, history_len: int,
-                 index_bytes: int) -> None:
-    """ValueError naming the settings when the rollout's rows (KV cache, history, log-probabilities) and
-    group_sam's group indexes would not fit twice in memory (compaction copies the batch once)."""
-    cfg = lm.config
-    dtype_bytes = jax.tree.leaves(lm.params)[0].dtype.itemsize
-    kv = inputs.num_rows * cfg.num_layers * 2 * cfg.num_kv_heads * cache_len * cfg.head_dim * dtype_bytes
-    rows = inputs.num_rows * history_len * (4 + 1 + (4 if inputs.logprobs else 0))
-    need, have = 2 * (kv + rows + index_bytes), available_memory()
+def check_memory(lm: LanguageModel, *, num_prompts: int, num_samples: int, max_new_tokens: int, logprobs: bool,
+                 cache_len: int, history_len: int, index_bytes: int) -> None:
+    """ValueError naming num_samples, the number of prompts and max_new_tokens, with the bytes needed and the
+    bytes available, when the rollout's rows (KV cache, history, log-probabilities: `rows_bytes`) and group_sam's
+    group indexes would not fit twice in memory (compaction copies the batch once); from the sizes alone, nothing
+    allocated."""
+    rows = rows_bytes(lm, num_rows=num_prompts * num_samples, cache_len=cache_len, history_len=history_len,
+                      logprobs=logprobs)
+    need, have = 2 * (rows + index_bytes), available_memory()
+    need //= 1 if lm.mesh is None else lm.mesh.size  # on a mesh, at best spread evenly over its devices
     if need > have:
         gib = 1 << 30
         raise ValueError(
-            f"num_samples={inputs.num_samples} x {inputs.num_prompts} prompts with max_new_tokens="
-            f"{inputs.max_new_tokens} needs about {need / gib:.2f} GiB (KV cache {kv / gib:.2f} GiB, group "
-            f"indexes {index_bytes / gib:.2f} GiB, twice over for compaction) but {have / gib:.2f} GiB is "
+            f"num_samples={num_samples} x {num_prompts} prompts with max_new_tokens={max_new_tokens} needs about "
+            f"{need} bytes ({need / gib:.2f} GiB: rows' KV cache and history {rows / gib:.2f} GiB, group indexes "
+            f"{index_bytes / gib:.2f} GiB, twice over for compaction) but {have} bytes ({have / gib:.2f} GiB) are "
             "available: lower num_samples, the number of prompts, max_new_tokens or group_capacity")

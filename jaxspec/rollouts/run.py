@@ -144,8 +144,9 @@ class _Rollout:
         self.sits_out = isinstance(self.proposer, GroupSamProposer)
         self.behind = False  # chunks ran without the proposer since its indexes last caught up
         self._settings_key, self._settings_value = None, None  # the last batch's settings (`_settings`)
-        check_memory(lm, inputs, cache_len=self.cache_len, history_len=self.width + self.buffer_len,
-                     index_bytes=index_bytes)
+        check_memory(lm, num_prompts=inputs.num_prompts, num_samples=inputs.num_samples,
+                     max_new_tokens=inputs.max_new_tokens, logprobs=inputs.logprobs, cache_len=self.cache_len,
+                     history_len=self.width + self.buffer_len, index_bytes=index_bytes)
         self.widths = spec.verify_widths
         sharding.check_batch(lm.mesh, lm.rules, inputs.num_rows)
         data = sharding.axis_size(lm.mesh, lm.rules.batch if lm.rules else None)
