@@ -1,11 +1,12 @@
 """The server against hostile input, in-process: every request is answered 200 or 4xx, and the engine survives.
 
 Hypothesis draws request bodies for /v1/completions and /v1/chat/completions from the request schema (every
-field over its full range, unicode with astral characters and special-token text, unknown fields, nested
-values), then spoils at most one thing: a wrong JSON type, a value out of range, a lone UTF-16 surrogate in a
-string, a bad message, a bad prompt. Raw bodies add what `json.dumps` cannot write: NaN and Infinity
-literals, integers past Python's digit limit, nesting past the parser's recursion limit, invalid UTF-8,
-bodies that are not objects, bodies over the size limit (with and without a Content-Length).
+field over its full range, unicode with astral characters and special-token text, nested values), then spoils
+at most one thing: a wrong JSON type, a value out of range, a lone UTF-16 surrogate in a string, a bad message,
+a bad prompt, an unknown field (refused by name, as OpenAI refuses unknown arguments). Raw bodies add what
+`json.dumps` cannot write: NaN and Infinity literals, integers past Python's digit limit, nesting past the
+parser's recursion limit, invalid UTF-8, bodies that are not objects, bodies over the size limit (with and
+without a Content-Length).
 
 A valid body must get 200 with a well-formed completion (or SSE stream); a spoiled one must get a 4xx whose
 body is OpenAI's error object and whose `param` names the spoiled field by its dotted path. Afterwards
@@ -46,6 +47,7 @@ from jaxspec.models.llama import Llama
 from jaxspec.models.loading import named_model_path
 from jaxspec.models.tokenizer import Tokenizer
 from jaxspec.serving import create_app
+from jaxspec.serving.protocol import NOT_SUPPORTED
 from jaxspec.text import TextStream
 from test_server import wait_for_idle  # the real server test's polling, over the in-process client here
 
@@ -279,8 +281,8 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "n", "stream", "stream_options", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "speculative", "user"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
+                 "repetition_penalty", "speculative", "user", "metadata", "prediction", "response_format"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
 # Valid values of the fields both endpoints share, over their whole ranges, edges made likely.
@@ -299,7 +301,7 @@ COMMON_VALID = {
     "stream_options": st.one_of(st.none(), st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
     "presence_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([0, -0.0, -2, 2, 1e-45])),
     "frequency_penalty": st.one_of(st.floats(-2, 2), st.sampled_from([0, -2, 2])),
-    "repetition_penalty": st.one_of(st.floats(0.5, 2), st.sampled_from([1, 5e-324, 1e30])),
+    "repetition_penalty": st.one_of(st.floats(0.5, 2), st.sampled_from([1, 5e-324, 100])),
     "speculative": st.one_of(st.none(), st.just("off"), st.fixed_dictionaries({}, optional={
         "method": st.one_of(st.none(), st.sampled_from(["none", "ngram", "sam"])),
         "num_speculative_tokens": st.one_of(st.none(), st.integers(0, K))})),
@@ -315,8 +317,8 @@ def stop_token_ids(draw, ignore_eos: bool):
 
 @st.composite
 def unknown_fields(draw, known: set[str]) -> dict:
-    keys = st.text(chars, min_size=1, max_size=8).filter(lambda k: k not in known)
-    return draw(st.dictionaries(keys, json_values, max_size=2))
+    keys = st.text(chars, min_size=1, max_size=8).filter(lambda k: k not in known and k not in NOT_SUPPORTED)
+    return draw(st.dictionaries(keys, json_values, min_size=1, max_size=1))
 
 
 completion_prompts = st.one_of(
@@ -356,7 +358,6 @@ def valid_body(draw, chat: bool) -> dict:
         body["logprobs"] = draw(st.one_of(st.none(), st.integers(0, 5)))
         if draw(st.booleans()):
             body["echo"] = False
-    body.update(draw(unknown_fields(CHAT_FIELDS if chat else COMPLETION_FIELDS)))
     return body
 
 
@@ -401,7 +402,8 @@ SPOILERS_COMMON = [
     ("presence_penalty", st.one_of(st.floats(allow_nan=False, allow_infinity=False).filter(lambda v: abs(v) > 2),
                                    NOT_A_NUMBER), None),
     ("frequency_penalty", st.sampled_from([2.5, -2.001, 1e300, "0"]), None),
-    ("repetition_penalty", st.one_of(st.sampled_from([0, -1, -1e-300, "1"]), NOT_A_NUMBER), None),
+    ("repetition_penalty", st.one_of(st.sampled_from([0, -1, -1e-300, "1", 100.001, 1e30, 1e308]), NOT_A_NUMBER),
+     None),
     ("speculative", st.one_of(st.integers(), st.just("on"), st.just([]),
                               st.just({"method": "bogus"}), st.just({"method": 3})), None),
     ("speculative", st.sampled_from([{"method": "eagle"}, {"method": "medusa"}, {"method": "eagle2"}]),
@@ -433,12 +435,16 @@ SPOILERS_CHAT = SPOILERS_COMMON + [
 def spoiled_body(draw, chat: bool) -> tuple[dict, Expect]:
     """A valid body with one thing wrong, and the field a 4xx must name."""
     body = draw(valid_body(chat))
-    kind = draw(st.sampled_from(["field", "field", "field", "surrogate", "missing", "message"]
-                                if chat else ["field", "field", "field", "surrogate", "missing"]))
+    kind = draw(st.sampled_from(["field", "field", "field", "surrogate", "missing", "unknown", "message"]
+                                if chat else ["field", "field", "field", "surrogate", "missing", "unknown"]))
     if kind == "missing":
         name = draw(st.sampled_from(["model", "messages" if chat else "prompt"]))
         del body[name]
         return body, bad(name)
+    if kind == "unknown":
+        extra = draw(unknown_fields(CHAT_FIELDS if chat else COMPLETION_FIELDS))
+        body.update(extra)
+        return body, bad(next(iter(extra)))
     if kind == "message" and chat:
         i = draw(st.integers(0, len(body["messages"]) - 1))
         m = dict(body["messages"][i])
@@ -600,12 +606,9 @@ def raw_body(draw) -> tuple[bytes, Expect, dict | None]:
         depth = draw(st.sampled_from([50, 900, 5000, 60_000]))  # all under MAX_BODY
         field = draw(st.sampled_from(["prompt", "stop", "x_unknown", "speculative"]))
         nested = draw(st.sampled_from(["[" * depth + "]" * depth, '{"a": ' * depth + "1" + "}" * depth]))
-        # Shallow: in a known field a 400 naming it, in an unknown field ignored. Deep: the parser may give up
-        # (400, no field to name) or not (then judged as the shallow case).
-        if depth <= 100:
-            expect = Expect(ok=True) if field == "x_unknown" else bad(field)
-        else:
-            expect = Expect(ok=False, param=None, either=field == "x_unknown")
+        # Shallow: a 400 naming the field (an unknown one too). Deep: the parser may give up (400, no field to
+        # name) or not (then a 400 naming the field).
+        expect = bad(field) if depth <= 100 else bad(None)
         return _with_literal(body, field, nested), expect, body
     if kind == "utf8":  # invalid UTF-8 inside a string
         junk = draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf",
@@ -631,7 +634,7 @@ def raw_body(draw) -> tuple[bytes, Expect, dict | None]:
         if kind == "oversize":
             return padded, bad(None, status=413), None
         # At the limit exactly: read and judged on its content (a prompt far past the context: 400).
-        return padded, (bad("prompt") if field == "prompt" else OK), {**body, field: "..."}
+        return padded, (bad(field) if field in ("prompt", "x_padding") else OK), {**body, field: "..."}
     assert kind == "bom"
     return b"\xef\xbb\xbf" + json.dumps(body).encode(), Expect(ok=False, either=True), body
 

@@ -1,13 +1,18 @@
 """Request bodies off the wire: a size limit counted as bytes arrive, then JSON decoded and validated.
 
-A body over the limit is refused (HTTP 413) as soon as its declared length or its bytes so far pass it, with or
-without a Content-Length (a chunked body declares none). A large body is validated in a worker thread, so one
-client's megabyte of JSON does not stall the streams the event loop is serving for long.
+A body must be declared JSON (`Content-Type: application/json`, any parameters; HTTP 415 otherwise): a web page
+can send a form or text/plain to another site without the browser asking that site first (a "simple" CORS
+request), but not JSON. A body over the limit is refused (HTTP 413) as soon as its declared length or its bytes
+so far pass it, with or without a Content-Length (a chunked body declares none). A large body is validated in
+the app's thread pool for text work, so one client's megabyte of JSON does not stall the streams the event loop
+is serving for long.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -24,7 +29,11 @@ def _too_large(size: str, max_bytes: int) -> RequestError:
 
 
 async def read_body(request: HTTPRequest, max_bytes: int) -> bytes:
-    """The raw body, or a RequestError (413) once it passes `max_bytes`."""
+    """The raw body, or a RequestError: 415 unless it is declared JSON, 413 once it passes `max_bytes`."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise RequestError(f"the request body must be sent as Content-Type: application/json (got "
+                           f"{media or 'none'!r})", status=415, code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(declared, max_bytes)
@@ -37,10 +46,15 @@ async def read_body(request: HTTPRequest, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_request(request: HTTPRequest, model: type, max_bytes: int) -> Any:
+def _decoded(model: type, body: bytes) -> Any:
+    return parse(model, parse_json(body))
+
+
+async def read_request(request: HTTPRequest, model: type, max_bytes: int, executor: Executor | None = None) -> Any:
     """The body decoded and validated as `model` (a pydantic model of `jaxspec.serving.protocol`), a large one
-    validated off the event loop; RequestError (400 naming the field, or 413) otherwise."""
+    decoded and validated in `executor` (None: asyncio's default pool); RequestError (400 naming the field, or
+    413) otherwise."""
     body = await read_body(request, max_bytes)
     if len(body) > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(parse, model, parse_json(body))
-    return parse(model, parse_json(body))
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(_decoded, model, body))
+    return _decoded(model, body)

@@ -2,7 +2,8 @@
 
 The engine's refusals map to HTTP statuses here: an `InvalidRequest` is a 400 naming the request's field (the
 engine names its own `Request` field, translated to the HTTP body's), a full queue a 429, a stopping engine a
-503, and a request the engine failed while running it a 500. Unknown paths and methods answer in the same format.
+503, and a request the engine failed while running it a 500. Unknown paths and methods answer in the same format,
+and so does any other exception a route raises (a 500 whose message names no detail; the log has the trace).
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(RequestError)
     async def _request_error(request: HTTPRequest, err: RequestError):
         return response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: HTTPRequest, err: Exception):  # a bug: the client still gets the error object
+        return response(RequestError("the server failed while handling this request", status=500,
+                                     type="server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: HTTPRequest, err: StarletteHTTPException):

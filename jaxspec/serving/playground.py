@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import secrets
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Literal
 
@@ -62,10 +63,12 @@ class PlaygroundRequest(BaseModel):
     speculative: SpeculativeOptions | Literal["off"] | None = None  # None: the server's default method and K
 
 
-def mount_playground(app: FastAPI, engine: Engine, *, served_model_name: str, max_body_bytes: int) -> None:
+def mount_playground(app: FastAPI, engine: Engine, *, served_model_name: str, max_body_bytes: int,
+                     executor: Executor | None = None) -> None:
     """Serve the playground page at `/`, its files under `/playground/static/`, the page's settings at
-    `GET /playground/config` and the generation stream at `POST /playground/generate`."""
-    translator = Translator(engine, served_model_name)  # tokenizes as the OpenAI routes do
+    `GET /playground/config` and the generation stream at `POST /playground/generate`; text is tokenized in
+    `executor` (None: asyncio's default pool)."""
+    translator = Translator(engine, served_model_name, executor)  # tokenizes as the OpenAI routes do
 
     app.mount("/playground/static", StaticFiles(directory=STATIC_DIR), name="playground-static")
 
@@ -94,7 +97,7 @@ def mount_playground(app: FastAPI, engine: Engine, *, served_model_name: str, ma
 
     @app.post("/playground/generate")
     async def generate(request: HTTPRequest):
-        body: PlaygroundRequest = await read_request(request, PlaygroundRequest, max_body_bytes)
+        body: PlaygroundRequest = await read_request(request, PlaygroundRequest, max_body_bytes, executor)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("send either prompt (prompt mode) or messages (chat mode)", param="prompt")
         if body.messages is None:

@@ -2,33 +2,73 @@
 
 Fields follow OpenAI's completions and chat completions APIs; `top_k`, `min_p`, `ignore_eos`,
 `stop_token_ids` and `speculative` are jaxspec's additions (send them with the openai client's `extra_body`).
-Types are strict (a string is not a number) and every range is checked here, so the handler only sees valid
-values; unknown fields are ignored, as OpenAI's own server does. The raw body is checked first: JSON only
-(no NaN or Infinity), and no string holding a lone UTF-16 surrogate, which no tokenizer can encode.
+Types are strict (a string is not a number) and every range is checked here, with an upper bound on every number
+that float32 and the engine take, so the handler only sees valid values. Nothing is silently ignored: a field
+this server does not know is refused (HTTP 400 naming it), as OpenAI's own server refuses unknown arguments,
+and an OpenAI field it does not implement (`logit_bias`, `tools`, `suffix`, ...: `NOT_SUPPORTED`) is taken only
+with a value that asks for nothing (null, or its no-op value such as `tool_choice: "none"`). `user` and
+`metadata` are accepted as OpenAI defines them, labels for the caller that change no output. The raw body is
+checked first: JSON only (no NaN or Infinity), and no string holding a lone UTF-16 surrogate, which no
+tokenizer can encode.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..methods import names
 
 SpecMethodName = Literal[names(served=True)]  # the methods an engine can serve; the engine says which it does
 
 
+INT32_MAX = 2**31 - 1  # the bound of every count and token id: the engine keeps them as int32
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+# The longest stop string, in characters. A stream holds back a tail that could still become a stop string (up to
+# this many characters, delaying them) and scans that window per token; real stop strings are short markers
+# ("\n\n", "```", "</answer>"), and 256 characters leaves room for any multi-line sentinel.
+MAX_STOP_CHARS = 256
+# repetition_penalty's upper end: a penalty of 100 already rules a repeated token out in practice, and multiplying
+# any logit a model gives (far below 1e36 in size) by it stays finite in float32.
+MAX_REPETITION_PENALTY = 100.0
+# OpenAI fields this server does not implement, each with the values that ask for nothing beside null: a body
+# may send them (clients fill in defaults, a chat turn is echoed back with `refusal: null`), anything else is
+# refused with 400 naming the field rather than ignored. (Applied where the field sits: `_Body.NO_EFFECT`.)
+NOT_SUPPORTED = {
+    "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "parallel_tool_calls": (), "audio": (), "modalities": (["text"],),
+    "web_search_options": (), "reasoning_effort": (), "store": (False,), "service_tier": ("auto", "default"),
+    "refusal": (), "tool_calls": ([],), "annotations": ([],),  # an assistant message's
+}
+_MESSAGE_FIELDS = frozenset({"refusal", "tool_calls", "function_call", "audio", "annotations"})
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    """Whether `value` for the unimplemented field `name` is null or one of its no-op values (same type:
+    0 is not false)."""
+    return value is None or any(type(value) is type(v) and value == v for v in NOT_SUPPORTED[name])
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+    NO_EFFECT: ClassVar[frozenset[str]] = frozenset()  # the `NOT_SUPPORTED` fields taken here when they ask nothing
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_no_effect(cls, data: Any) -> Any:
+        """Drop the unimplemented fields that ask for nothing; any other value stays, to be refused by name."""
+        if isinstance(data, dict) and any(k in cls.NO_EFFECT and _asks_nothing(k, v) for k, v in data.items()):
+            return {k: v for k, v in data.items() if not (k in cls.NO_EFFECT and _asks_nothing(k, v))}
+        return data
 
 
 class SpeculativeOptions(_Body):
     """The `speculative` request field: a method the server was started with, and a draft budget."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
     method: SpecMethodName | None = None  # None: the server's default method
-    num_speculative_tokens: int | None = Field(None, ge=0)  # None: the server's K; at most the server's K
+    num_speculative_tokens: int | None = Field(None, ge=0, le=INT32_MAX)  # None: the server's K; at most its K
 
 
 class StreamOptions(_Body):
@@ -62,34 +102,40 @@ class ResponseFormat(_Body):
     json_schema: dict[str, Any] | None = None
 
 
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the engine checks it against the vocabulary
+
+
 class _Generation(_Body):
+    NO_EFFECT = frozenset(NOT_SUPPORTED) - {"refusal", "tool_calls", "annotations"}
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=2**31 - 1)  # 0 or -1 disables (vLLM's convention); above the vocabulary: no limit
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's range
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # vLLM's extension (extra_body)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extension (extra_body)
     speculative: SpeculativeOptions | Literal["off"] | None = None
     prediction: Prediction | None = None
     response_format: ResponseFormat | None = None
-    user: str | None = None
+    user: str | None = None  # a label for the caller (OpenAI's); changes nothing
+    metadata: dict[str, str] | None = Field(None, max_length=16)  # labels for the caller (OpenAI's); change nothing
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("at most 4 non-empty stop strings")
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty stop strings of at most {MAX_STOP_CHARS} "
+                             "characters each")
         return v
 
     @property
@@ -100,10 +146,11 @@ class _Generation(_Body):
 class CompletionRequest(_Generation):
     """The body of `POST /v1/completions` (the common fields are listed in the serving how-to)."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    prompt: Union[str, list[str], list[int], list[list[int]]]  # token ids: the engine checks the vocabulary
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's range for completions
     echo: bool = False  # refused: not supported
+    best_of: int | None = Field(None, ge=1, le=16)  # taken only equal to n: each choice is its own best
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -117,10 +164,18 @@ class CompletionRequest(_Generation):
             raise ValueError("echo is not supported by this server")
         return v
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v, info: ValidationInfo):
+        if v is not None and v != info.data.get("n", 1):  # (`n` is declared, so validated, first)
+            raise ValueError("best_of is supported only equal to n: this server does not rank candidates")
+        return v
+
 
 class ChatMessage(_Body):
     """One message of a chat request."""
 
+    NO_EFFECT = _MESSAGE_FIELDS
     role: Literal["system", "developer", "user", "assistant"]  # who speaks
     content: str | list[TextPart]  # a string, or text parts joined in order
     name: str | None = None  # accepted and ignored
@@ -134,7 +189,7 @@ class ChatCompletionRequest(_Generation):
     """The body of `POST /v1/chat/completions` (the common fields are listed in the serving how-to)."""
 
     messages: list[ChatMessage] = Field(min_length=1)  # rendered with the model's chat template
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # OpenAI's newer name for max_tokens
     logprobs: bool = False  # return each generated token's log-probability
     top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's range for chat
 
@@ -151,11 +206,22 @@ class ChatCompletionRequest(_Generation):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+MAX_MESSAGE_CHARS = 1000  # an error message's length at most: every error body stays small
+MAX_PARAM_CHARS = 200  # a `param` path's (a client picks the names of unknown fields)
+
+
+def clipped(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters and how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class RequestError(Exception):
     """A client error: HTTP `status` with an OpenAI-style body naming `param`."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  type: str = "invalid_request_error", code: str | None = None):
+        message = clipped(message, MAX_MESSAGE_CHARS)  # however much of the request a message quotes
+        param = None if param is None else clipped(param, MAX_PARAM_CHARS)
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
@@ -168,8 +234,7 @@ _MAX_SHOWN = 200  # characters of an offending value quoted back in an error mes
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _MAX_SHOWN else f"{text[:_MAX_SHOWN]}... ({len(text)} characters)"
+    return clipped(repr(value), _MAX_SHOWN)
 
 
 def _reject_constant(name: str):
@@ -222,12 +287,19 @@ def validation_error(err: ValidationError) -> RequestError:
     """The first pydantic error as a RequestError naming the field by its dotted path (`messages.0.role`)."""
     first = err.errors(include_url=False)[0]
     loc = [str(p) for p in first["loc"]]
+    unknown = first["type"] == "extra_forbidden"  # the last name is the client's own, whatever it looks like
     # Union members add their type's label to the path (`speculative.SpeculativeOptions.method`, `prompt.str`,
     # `prompt.list[int].0`): drop the labels, never a field (`stream`, `stream_options`).
-    loc = [p for p in loc if not (p[:1].isupper() or p in _TYPE_LABELS or p.startswith(_GENERIC_LABELS))]
+    loc = [p for p in loc[:len(loc) - unknown] if not (p[:1].isupper() or p in _TYPE_LABELS
+                                                         or p.startswith(_GENERIC_LABELS))] + loc[len(loc) - unknown:]
     param = ".".join(loc) or None
     what = f"{param}: " if param else ""
-    return RequestError(f"{what}{first['msg']} (got {_shown(first.get('input'))})", param=param)
+    if unknown:  # OpenAI refuses unknown arguments too
+        why = ("is not supported by this server" if loc[-1] in NOT_SUPPORTED
+               else "is not a field of this request (unrecognized request argument)")
+        return RequestError(f"{what}{why} (got {_shown(first.get('input'))})", param=param)
+    msg = first["msg"].removeprefix("Value error, ")  # a validator's own message says what is wrong
+    return RequestError(f"{what}{msg} (got {_shown(first.get('input'))})", param=param)
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

@@ -1,12 +1,15 @@
 """The OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`.
 
 A generation route reads and validates the body, translates it into engine requests (one per choice and
-prompt), submits them all or none, and responds in OpenAI's format (`jaxspec.serving.responses`).
+prompt), submits them all or none, and responds in OpenAI's format (`jaxspec.serving.responses`). A request with
+more choices than the engine's slots and queue hold together can never be served, so it is a 400 (not the
+retryable 429 of a queue that is full now), the same on both endpoints.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Executor
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
@@ -18,15 +21,26 @@ from .bodies import read_request
 from .choices import submit
 from .logprobs import TokenText
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from .protocol import MAX_MESSAGE_CHARS, ChatCompletionRequest, CompletionRequest, RequestError, clipped
 from .responses import respond
 from .translate import Translator
 
 
-def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics, max_body_bytes: int) -> APIRouter:
-    """The routes over `engine`, serving its model as `served_model_name`; bodies over `max_body_bytes` get 413."""
+def check_choices(engine: Engine, num_prompts: int, n: int, param: str) -> None:
+    """RequestError (400 naming `param`) when `num_prompts` x `n` choices, each one engine request, exceed what the
+    engine's slots and queue can ever hold at once."""
+    capacity = engine.config.max_slots + engine.config.max_waiting
+    if num_prompts * n > capacity:
+        raise RequestError(f"{param}: {num_prompts} prompt{'s' if num_prompts != 1 else ''} x n={n} make "
+                           f"{num_prompts * n} choices; this server takes at most {capacity} at once", param=param)
+
+
+def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics, max_body_bytes: int,
+               executor: Executor | None = None) -> APIRouter:
+    """The routes over `engine`, serving its model as `served_model_name`; bodies over `max_body_bytes` get 413.
+    Large bodies are parsed, and text tokenized, in `executor` (None: asyncio's default pool)."""
     router = APIRouter()
-    translator = Translator(engine, served_model_name)
+    translator = Translator(engine, served_model_name, executor)
     tokenizer = engine.lm.tokenizer
     token_text = TokenText(tokenizer)
     created = int(time.time())
@@ -34,7 +48,8 @@ def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics
     @router.get("/health")
     async def health():
         if engine.failed is not None:
-            return JSONResponse({"status": "failed", "error": repr(engine.failed)}, status_code=503)
+            return JSONResponse({"status": "failed", "error": clipped(repr(engine.failed), MAX_MESSAGE_CHARS)},
+                                status_code=503)
         return {"status": "ok"}
 
     @router.get("/metrics")
@@ -49,25 +64,22 @@ def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics
     @router.post("/v1/completions")
     async def completions(request: HTTPRequest):
         arrived = time.perf_counter()
-        body: CompletionRequest = await read_request(request, CompletionRequest, max_body_bytes)
+        body: CompletionRequest = await read_request(request, CompletionRequest, max_body_bytes, executor)
         translator.check_model(body.model)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         if not prompts:
             raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-        capacity = engine.config.max_slots + engine.config.max_waiting
-        if len(prompts) * body.n > capacity:  # refused before any work: each choice is one engine request
-            raise RequestError(f"prompt: {len(prompts)} prompts x n={body.n} make {len(prompts) * body.n} "
-                               f"choices; this server takes at most {capacity} at once", param="prompt")
+        check_choices(engine, len(prompts), body.n, "prompt")  # refused before any work
         ids_list = await translator.encode_all(prompts, "prompt")
         await translator.compile_response_format(body)
         requests = []
         for ids in ids_list:
             if not ids:
                 raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-            requests += translator.engine_requests(body, ids, prompt_param="prompt", default_max=16,
-                                                   logprobs_param="logprobs")
+            requests += await translator.engine_requests(body, ids, prompt_param="prompt", default_max=16,
+                                                         logprobs_param="logprobs")
         choices = submit(engine, requests, tokenizer, body.stop_strings)
         return await respond(request, body, choices, sum(len(ids) for ids in ids_list), arrived, chat=False,
                              model=served_model_name, token_text=token_text, metrics=metrics)
@@ -75,14 +87,15 @@ def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics
     @router.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
         arrived = time.perf_counter()
-        body: ChatCompletionRequest = await read_request(request, ChatCompletionRequest, max_body_bytes)
+        body: ChatCompletionRequest = await read_request(request, ChatCompletionRequest, max_body_bytes, executor)
         translator.check_model(body.model)
+        check_choices(engine, 1, body.n, "n")  # refused before any work
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         ids = await translator.chat_prompt(body.messages)
         await translator.compile_response_format(body)
-        requests = translator.engine_requests(body, ids, prompt_param="messages", default_max=None,
-                                              logprobs_param="top_logprobs")
+        requests = await translator.engine_requests(body, ids, prompt_param="messages", default_max=None,
+                                                    logprobs_param="top_logprobs")
         choices = submit(engine, requests, tokenizer, body.stop_strings)
         return await respond(request, body, choices, len(ids), arrived, chat=True, model=served_model_name,
                              token_text=token_text, metrics=metrics)

@@ -7,6 +7,11 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: t
 GET /health, GET /metrics (Prometheus). Beside OpenAI's fields a request may send `top_k`, `min_p`,
 `ignore_eos`, `stop_token_ids` and `speculative` ({"method": "none"|"ngram"|"sam", "num_speculative_tokens": K}
 or "off").
+
+Access: with --api-key (or the JAXSPEC_API_KEY environment variable, which `ps` does not show) every route but
+the playground page, /health and /metrics needs `Authorization: Bearer KEY`. Bound to a loopback address, the
+server answers only requests whose Host header is localhost, 127.0.0.1 or [::1] (a page elsewhere that
+rebinds its DNS name to 127.0.0.1 cannot reach it); --allowed-hosts changes that list.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the name clients send as `model` (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("JAXSPEC_API_KEY") or None,
+                   help="require `Authorization: Bearer KEY` on every route but the playground page, /health and "
+                        "/metrics (default: the JAXSPEC_API_KEY environment variable; none: open)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated names a request's Host header may carry (ports aside; IPv6 in brackets), "
+                        "or * for any (default: localhost,127.0.0.1,[::1] when --host is a loopback address, else any)")
     p.add_argument("--max-slots", type=int, default=8,
                    help="the most requests decoded at once; more wait in a queue (default: %(default)s)")
     p.add_argument("--slot-buckets", default=None,
@@ -79,6 +90,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "over MODEL (attention kept whole where MODEL does not divide its heads); default one device")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
+
+
+def allowed_hosts(host: str, allowed: str | None) -> tuple[str, ...] | None:
+    """The Host names to accept (None: any): `allowed` as given, else the loopback names for a loopback `host`."""
+    from .app import LOOPBACK_HOSTS
+
+    if allowed is not None:
+        names = tuple(h.strip() for h in allowed.split(",") if h.strip())
+        return None if names == ("*",) else names
+    loopback = host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+    return LOOPBACK_HOSTS if loopback else None
 
 
 def default_prediction_len(methods: str, cache_len: int) -> int:
@@ -133,7 +155,8 @@ def main(argv=None) -> int:
 
         app = create_app(engine, served_model_name=name, warmup=not args.no_warmup,
                          graceful_timeout_s=args.graceful_timeout, on_ready=announce,
-                         max_body_bytes=args.max_body_bytes)
+                         max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+                         allowed_hosts=allowed_hosts(args.host, args.allowed_hosts))
     except ValueError as e:
         print(f"{os.path.basename(sys.argv[0]) or 'serve'}: error: {e}", file=sys.stderr)
         return 2

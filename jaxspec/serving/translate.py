@@ -1,17 +1,23 @@
 """From an OpenAI request body to engine `Request`s: the model name checked, text tokenized, one engine request
 per choice, each checked by the engine before anything is submitted.
 
-Tokenizing much text runs in a worker thread, so it never stalls the streams the event loop is serving. The
-sampling fields map one to one onto `SamplingParams` (a `top_k` of -1 means none, as 0 does); choice i of a
+Tokenizing much text, and rendering chat templates, runs in the app's own bounded thread pool (`executor`), so
+it never stalls the streams the event loop is serving and never waits behind other work in asyncio's default
+pool. A prediction's length is checked in characters before it is tokenized: text longer than the engine's
+`max_prediction_len` tokens could hold (each token covers at most `max_token_chars` characters) is refused at
+once. The sampling fields map one to one onto `SamplingParams` (a `top_k` of -1 means none, as 0 does); choice i of a
 request with seed s samples with seed s + i, so n choices differ and a request repeats with its seed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import secrets
+from concurrent.futures import Executor
 
-from ..config import SamplingParams
+from ..config import InvalidSetting, SamplingParams
 from ..constraints import JsonSchema, compile_constraint
 from ..engine import Engine, InvalidRequest, Request
 from .bodies import OFF_LOOP_BYTES
@@ -22,10 +28,23 @@ from .protocol import ChatMessage, RequestError, ResponseFormat
 class Translator:
     """Request bodies into token ids and engine requests, for one engine and the model name it is served as."""
 
-    def __init__(self, engine: Engine, served_model_name: str):
+    def __init__(self, engine: Engine, served_model_name: str, executor: Executor | None = None):
         self.engine = engine  # checks each request (`Engine.validate`)
         self.served_model_name = served_model_name  # the only `model` a body may name
         self.tokenizer = engine.lm.tokenizer  # the model's, chat template included
+        self.executor = executor  # tokenization and chat templates off the event loop (None: asyncio's default)
+        self._max_token_chars: int | None = None
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` in the executor."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def max_token_chars(self) -> int:
+        """The most characters one token's text can hold: its vocabulary entry's length (a byte-level entry has a
+        character per byte, and a byte is at most a character)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.backend.get_vocab()), default=1)
+        return self._max_token_chars
 
     def check_model(self, name: str) -> None:
         """RequestError (400) unless `name` is the served model's."""
@@ -45,7 +64,7 @@ class Translator:
             return [self._encode(p, param) if isinstance(p, str) else list(p) for p in prompts]
 
         chars = sum(len(p) for p in prompts if isinstance(p, str))
-        return await asyncio.to_thread(run) if chars > OFF_LOOP_BYTES // 4 else run()
+        return await self.off_loop(run) if chars > OFF_LOOP_BYTES // 4 else run()
 
     async def encode(self, text: str, param: str) -> list[int]:
         """Token ids of one text, at least one (RequestError naming `param` otherwise)."""
@@ -69,13 +88,28 @@ class Translator:
         """Token ids of a chat rendered with the model's chat template, ready for the assistant's reply."""
         rendered = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
         try:
-            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, rendered, add_generation_prompt=True)
+            text = await self.off_loop(self.tokenizer.apply_chat_template, rendered, add_generation_prompt=True)
         except ValueError as e:
             raise RequestError(f"messages: {e}", param="messages") from None
         return await self.encode(text, "messages")
 
-    def engine_requests(self, body, prompt_ids: list[int], *, prompt_param: str, default_max: int | None,
-                        logprobs_param: str) -> list[Request]:
+    async def prediction_ids(self, body) -> list[int] | None:
+        """The token ids of the body's `prediction` (None without one); text longer than the engine's
+        `max_prediction_len` tokens can hold is refused (400) before any tokenizing."""
+        if body.prediction is None:
+            return None
+        text = body.prediction.text()
+        most = self.engine.config.max_prediction_len
+        if most == 0:
+            raise RequestError("prediction: predictions are not served by this server", param="prediction")
+        if len(text) > most * (await self.off_loop(self.max_token_chars) if self._max_token_chars is None
+                               else self._max_token_chars):
+            raise RequestError(f"prediction: the text has {len(text)} characters, more than {most} tokens "
+                               f"(this server's most) can hold", param="prediction")
+        return (await self.encode_all([text], "prediction"))[0] or None
+
+    async def engine_requests(self, body, prompt_ids: list[int], *, prompt_param: str, default_max: int | None,
+                              logprobs_param: str) -> list[Request]:
         """The `body.n` engine requests for one prompt, checked by the engine (RequestError naming the body field
         otherwise). `default_max` is the endpoint's max_tokens when the body has none; None: up to the end of
         the context."""
@@ -87,25 +121,23 @@ class Translator:
         if max_tokens is None:
             max_tokens = max(self.engine.max_context - len(prompt_ids), 1)
         constraint = response_constraint(body.response_format)
-        prediction = None
-        if body.prediction is not None:
-            prediction = self._encode(body.prediction.text(), "prediction") or None
-        requests = []
-        for i in range(body.n):
+        prediction = await self.prediction_ids(body)
+        try:  # a setting float32 cannot hold (InvalidSetting) is the client's error too
             sampling = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
-                                      min_p=body.min_p, seed=(seed + i) % (1 << 32),
-                                      presence_penalty=body.presence_penalty,
+                                      min_p=body.min_p, seed=seed, presence_penalty=body.presence_penalty,
                                       frequency_penalty=body.frequency_penalty,
                                       repetition_penalty=body.repetition_penalty)
-            requests.append(Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                                    stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                                    method=method, num_speculative_tokens=k, logprobs=body.top_logprobs_wanted,
-                                    prediction_ids=prediction, constraint=constraint))
-        try:
-            self.engine.validate(requests[0])  # the choices differ only in their seeds
+            first = Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                            method=method, num_speculative_tokens=k, logprobs=body.top_logprobs_wanted,
+                            prediction_ids=prediction, constraint=constraint)
+            self.engine.validate(first)  # the choices differ only in their seeds
+        except InvalidSetting as e:
+            raise RequestError(f"{e.field}: {e}", param=e.field) from None
         except InvalidRequest as e:
             raise invalid_request(e, prompt_param=prompt_param, logprobs_param=logprobs_param) from None
-        return requests
+        return [first] + [dataclasses.replace(first, sampling=sampling.replace(seed=(seed + i) % (1 << 32)))
+                          for i in range(1, body.n)]
 
 
 # `response_format: {"type": "json_object"}`: any JSON object (outlines-core's generic object; its automaton

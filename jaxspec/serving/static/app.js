@@ -1,13 +1,27 @@
 // The playground page: sends the form to POST /playground/generate and renders its NDJSON stream as it
-// arrives (the stream's format is described in jaxspec/serving/playground.py).
+// arrives (the stream's format is described in jaxspec/serving/playground.py). A server started with an API
+// key wants it on every request (`Authorization: Bearer`): the page sends what the key field holds.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 let controller = null; // aborts the request in flight (the Stop button)
 
+function headers(extra = {}) {
+  const key = $("api-key").value.trim();
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+}
+
 async function loadConfig() {
-  const config = await (await fetch("/playground/config")).json();
+  const response = await fetch("/playground/config", { headers: headers() });
+  if (response.status === 401) {
+    setState("error", "this server wants its API key: enter it above");
+    return;
+  }
+  if (!response.ok) throw new Error(`HTTP ${response.status}`);
+  const config = await response.json();
+  setState("idle", "");
   $("model").textContent = config.model;
+  $("method").replaceChildren();
   for (const method of config.methods) {
     $("method").add(new Option(method, method, false, method === config.default_method));
   }
@@ -145,7 +159,7 @@ async function run(submit) {
   setState("running", "generating…");
   try {
     const response = await fetch("/playground/generate", {
-      method: "POST", headers: { "Content-Type": "application/json" },
+      method: "POST", headers: headers({ "Content-Type": "application/json" }),
       body: JSON.stringify(requestBody()), signal: controller.signal,
     });
     if (!response.ok) {
@@ -171,5 +185,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("form").addEventListener("submit", run);
   $("stop").addEventListener("click", () => controller.abort());
   for (const radio of document.querySelectorAll("input[name=mode]")) radio.addEventListener("change", showMode);
-  loadConfig().catch((e) => setState("error", `could not load the server's settings: ${e.message}`));
+  const load = () => loadConfig().catch((e) => setState("error", `could not load the server's settings: ${e.message}`));
+  $("api-key").addEventListener("change", load);
+  load();
 });
