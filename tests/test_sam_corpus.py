@@ -1,6 +1,6 @@
 """Draft corpora for sam's static source: the file format, the corpus shipped for the default model, and
-`SpecConfig(sam_source="static" | "both")` drafting from it losslessly when `static_sam` is unset, and the default
-source ("auto") taking it where one is at hand."""
+`SpecConfig(sam_source="static" | "both")` drafting from it losslessly when `static_sam` is unset, the default
+source ("auto") taking a corpus only where one is given, and `jaxspec corpus` building one from a user's files."""
 
 from __future__ import annotations
 
@@ -67,12 +67,12 @@ def test_a_model_without_a_shipped_corpus_names_what_to_pass(tiny_lm):
             jaxspec.generate(tiny_lm, [[1, 2, 3]], max_new_tokens=4, spec=SpecConfig(method="sam", sam_source=source))
 
 
-def test_sam_drafts_from_the_corpus_by_default_where_one_is_at_hand(tiny_lm, monkeypatch):
-    """sam_source "auto": both sources where static_sam is given or (on a CPU) a corpus is shipped for the model,
-    the row's own text elsewhere; a source named explicitly is kept."""
+def test_sam_drafts_from_the_rows_own_text_by_default_and_from_a_corpus_given_or_named(tiny_lm, monkeypatch):
+    """sam_source "auto": both sources where static_sam is given, the row's own text elsewhere, on every platform,
+    even for a model with a shipped corpus (an opt-in: "static" or "both"); a source named explicitly is kept."""
     corpus = StaticSuffixAutomaton.build([[5, 6, 7, 8]], separator=1)
     assert SpecConfig(method="sam").sam_source == "auto"
-    assert sam_source_for(tiny_lm, SpecConfig(method="sam")) == "dynamic"  # no corpus shipped for 'tiny'
+    assert sam_source_for(tiny_lm, SpecConfig(method="sam")) == "dynamic"
     assert sam_source_for(tiny_lm, SpecConfig(method="sam", static_sam=corpus)) == "both"
     assert sam_source_for(tiny_lm, SpecConfig(method="sam", sam_source="static", static_sam=corpus)) == "static"
     proposer, params = build_proposer(tiny_lm, SpecConfig(method="sam"), prompt_width=8, buffer_len=8, cache_len=16)
@@ -81,10 +81,10 @@ def test_sam_drafts_from_the_corpus_by_default_where_one_is_at_hand(tiny_lm, mon
                                       buffer_len=8, cache_len=16)
     assert proposer.source == "both" and params is corpus and drafts_from_corpus(proposer)
     named = SimpleNamespace(name="smollm2-135m")  # a model with a shipped corpus
-    assert sam_source_for(named, SpecConfig(method="sam")) == ("both" if jax.default_backend() == "cpu" else "dynamic")
-    assert sam_source_for(named, SpecConfig(method="sam", sam_source="dynamic")) == "dynamic"
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # unmeasured there: the row's text alone
-    assert sam_source_for(named, SpecConfig(method="sam")) == "dynamic"
+    for backend in ("cpu", "gpu", "tpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert sam_source_for(named, SpecConfig(method="sam")) == "dynamic", backend
+        assert sam_source_for(named, SpecConfig(method="sam", sam_source="both")) == "both", backend
 
 
 @pytest.mark.usefixtures("default_model_installed")
@@ -122,6 +122,33 @@ def test_the_corpus_command_writes_greedy_completions(tmp_path, smollm2):
     assert len(prompts) == len(sequences) == 4  # two of each source, code then chat
     plain = jaxspec.generate(smollm2, prompts, max_new_tokens=6)
     assert sequences == [smollm2.tokenizer.encode(p) + t for p, t in zip(prompts, plain.token_ids)]
-    assert json.loads(out.read_text())["sources"] == {"humaneval": 2, "chat": 2}
+    recorded = json.loads(out.read_text())["sources"]
+    assert [(s["name"], s["texts"]) for s in recorded] == [("humaneval-train", 2), ("humaneval-train-chat", 2)]
+    assert all(s["humaneval_task_ids"] == ["HumanEval/1", "HumanEval/2"] for s in recorded)
     with pytest.raises(SystemExit):
         sam_corpus.main(["--out", str(out), "--max-new-tokens", "0"])
+
+
+@pytest.mark.usefixtures("default_model_installed")
+def test_jaxspec_corpus_builds_a_corpus_from_a_users_prompts_and_documents(tmp_path, smollm2):
+    """`jaxspec corpus`: prompts (one a line, or .jsonl) completed greedily, documents as they are; the file says
+    what it was built from, and sam drafts from it losslessly."""
+    (tmp_path / "prompts.txt").write_text("def add_one(x):\n\ndef shout(text):\n")
+    (tmp_path / "doc.md").write_text("Call add_one(x) to add one.\nCall shout(text) to upper-case.\n")
+    out = tmp_path / "mine.sam_corpus.json"
+    assert sam_corpus.user_main(["--prompts", str(tmp_path / "prompts.txt"), "--texts", str(tmp_path / "doc.md"),
+                                 "--out", str(out), "--max-new-tokens", "6", "--batch-size", "4"]) == 0
+    sequences, separator = load_corpus(out, smollm2.config.vocab_size)
+    prompts = ["def add_one(x):", "def shout(text):"]
+    plain = jaxspec.generate(smollm2, prompts, max_new_tokens=6)
+    assert sequences[:2] == [smollm2.tokenizer.encode(p) + t for p, t in zip(prompts, plain.token_ids)]
+    assert sequences[2] == smollm2.tokenizer.encode((tmp_path / "doc.md").read_text())
+    meta = json.loads(out.read_text())
+    assert [(s["name"], s["texts"], s["completed"]) for s in meta["sources"]] == [("prompts", 2, True),
+                                                                                  ("texts", 1, False)]
+    assert meta["command"].startswith("jaxspec corpus --prompts")
+    spec = SpecConfig(method="sam", static_sam=StaticSuffixAutomaton.build(sequences, separator))
+    again = jaxspec.generate(smollm2, prompts, max_new_tokens=6, spec=spec)
+    assert again.token_ids == plain.token_ids and again.stats.accepted > 0
+    with pytest.raises(SystemExit):  # nothing to build from
+        sam_corpus.user_main(["--out", str(out)])
