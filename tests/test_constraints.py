@@ -160,13 +160,10 @@ def test_specs_are_canonical_hashable_and_give_their_regex():
 
 
 @pytest.mark.parametrize("make, named", [
-    (lambda: Regex("(ab"), "(ab"),
-    (lambda: Regex(r"\bword"), r"\bword"),
     (lambda: Regex(3), "3"),
-    (lambda: JsonSchema({"type": "nonsense"}), "nonsense"),
     (lambda: JsonSchema("{not json"), "{not json"),
     (lambda: JsonSchema([1, 2]), "[1, 2]"),
-    (lambda: JsonSchema({"type": "string"}, whitespace="(["), "(["),
+    (lambda: JsonSchema({"type": "string"}, whitespace=3), "3"),
     (lambda: Choice([]), "empty"),
     (lambda: Choice("yes"), "yes"),
     (lambda: Choice(["ok", 7]), "7"),
@@ -174,6 +171,19 @@ def test_specs_are_canonical_hashable_and_give_their_regex():
 def test_invalid_specs_raise_value_errors_naming_them(make, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         make()
+
+
+@pytest.mark.parametrize("spec, named", [
+    (Regex("(ab"), "(ab"),
+    (Regex(r"\bword"), r"\bword"),
+    (JsonSchema({"type": "nonsense"}), "nonsense"),
+    (JsonSchema({"type": "string"}, whitespace="(["), "(["),
+])
+def test_specs_outlines_core_refuses_raise_value_errors_naming_them_when_compiled(tok, vocab, spec, named):
+    """Whether outlines-core takes a regex or schema is learnt when it compiles (a spec is made in
+    milliseconds), in the worker, and the error names the spec."""
+    with pytest.raises(ValueError, match=re.escape(named)):
+        compile_constraint(spec, tok, vocab)
 
 
 def test_compile_errors(tok, vocab):

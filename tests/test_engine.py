@@ -790,6 +790,55 @@ def forcing_automaton(vocab: int = 97):
                           vocab_size=vocab)
 
 
+def test_new_automata_keep_the_batch_shape_and_compile_nothing(fresh_engine):
+    """The batch's stacked automata are padded to the engine's constraint capacity, free or not: automata of
+    new sizes join the batch without compiling a prefill or decode program."""
+    from jaxspec.decode import decode_chunk, prefill
+    from test_constrained import parity_automaton
+
+    engine = fresh_engine(dataclasses.replace(CONFIG, constraint_states=8, constraint_edges=256)).start(warmup=False)
+    run_all(engine, [Request(PROMPTS[0], 8)])  # compiles the programs once, over the free stack
+    shape = engine.runner.state.constraint.automaton.value.allowed.shape
+    compiled = (decode_chunk._cache_size(), prefill._cache_size())
+    for constraint in (parity_automaton(), forcing_automaton(), parity_automaton()):  # 2, 4, 2 states
+        run_all(engine, [Request(PROMPTS[1], 8, constraint=constraint)])
+        stacked = engine.runner.state.constraint.automaton.value
+        assert (stacked.num_states, stacked.num_edges) == (8, 256) and stacked.allowed.shape == shape
+    assert (decode_chunk._cache_size(), prefill._cache_size()) == compiled
+
+
+def test_an_automaton_beyond_the_capacity_is_refused_naming_it(fresh_engine):
+    from test_constrained import parity_automaton
+
+    engine = fresh_engine(dataclasses.replace(CONFIG, constraint_states=1))
+    with pytest.raises(InvalidRequest, match="constraint_states=1") as info:
+        engine.submit(Request(PROMPTS[0], 4, constraint=parity_automaton()), Collector())
+    assert info.value.field == "constraint"
+    with pytest.raises(ValueError, match="constraint_edges=0"):
+        dataclasses.replace(CONFIG, constraint_edges=0)
+
+
+def test_a_constraint_that_does_not_fit_beside_live_rows_waits_and_others_pass(fresh_engine):
+    """Capacity for 4 states: a 4-state automaton cannot join a live 2-state one, so it waits for that row to
+    finish, while a free request sent after it is admitted at once."""
+    from test_constrained import parity_automaton
+
+    admitted = []
+    engine = fresh_engine(dataclasses.replace(CONFIG, chunk_steps=2, constraint_states=4, constraint_edges=256),
+                          observers=[lambda kind, info: admitted.append(info["prompt_tokens"])
+                                     if kind == "admit" else None]).start(warmup=False)
+    first, big, plain = Collector(), Collector(), Collector()
+    engine.submit(Request(PROMPTS[0], 96, constraint=parity_automaton()), first)  # 12-token prompt
+    first.wait_events(2)
+    engine.submit(Request(PROMPTS[3], N, constraint=forcing_automaton()), big)  # 14
+    engine.submit(Request(PROMPTS[4], N), plain)  # 15
+    for c in (first, big, plain):
+        c.wait()
+    assert admitted == [12, 15, 14]
+    assert set(big.tokens[0::4]) == {5} and set(big.tokens[2::4]) == {7}
+    assert all(t % 2 == i % 2 for i, t in enumerate(first.tokens))
+
+
 def test_served_constrained_rows_draft_forced_tokens(tiny_lm, fresh_engine):
     aut = forcing_automaton()
     engine = fresh_engine().start(warmup=False)

@@ -11,6 +11,10 @@ state -> token -> next-state maps, which become device arrays that a jitted loop
 llguidance and xgrammar run pushdown automata (context-free grammars) on the host and compute each step's
 mask there from the parser's stack, which a device-resident loop cannot do between its steps.
 
+Compiling is bounded (`ConstraintLimits`): the spec's text is checked first (repetition counts, $ref expansion,
+enum sizes: `ConstraintTooLarge`, a ValueError naming the limit and the offending part), then outlines-core runs
+in a worker process (`compiler`) within a time and memory budget, killed on timeout or when `cancel` is set.
+
     aut = compile_constraint(JsonSchema(schema), lm.tokenizer, lm.config.vocab_size)
     state = jnp.full((batch,), INITIAL)       # per step, inside the jitted loop:
     logits = mask_logits(aut, state, logits)  # then sample `token`
@@ -32,6 +36,8 @@ from .automaton import (
     states_along,
 )
 from .compile import clear_cache, compile_constraint
+from .compiler import CompileCancelled, CompilerBusy
+from .limits import ConstraintLimits, ConstraintTooLarge
 from .spec import COMPACT_WHITESPACE, SPACED_WHITESPACE, Choice, Constraint, JsonSchema, Regex
 from .stack import stack
 
@@ -42,7 +48,11 @@ __all__ = [
     "FREE",
     "INITIAL",
     "Choice",
+    "CompileCancelled",
+    "CompilerBusy",
     "Constraint",
+    "ConstraintLimits",
+    "ConstraintTooLarge",
     "JsonSchema",
     "Regex",
     "TokenAutomaton",

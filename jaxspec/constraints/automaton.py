@@ -33,17 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .tables import check_key_range as check_key_range  # re-exported: stack and tests use it here
+
 FREE = -1  # no constraint
 DEAD = -2  # an illegal token was taken
 INITIAL = 0  # the initial state of a compiled automaton
-_MAX_KEY = 2**31 - 1  # keys are int32; also the padding key, above every real one
-
-
-def check_key_range(num_states: int, vocab_size: int) -> None:
-    """ValueError unless every key state * vocab_size + token fits int32 below the padding key."""
-    if num_states * vocab_size > _MAX_KEY:
-        raise ValueError(f"{num_states} states at vocab_size={vocab_size} overflow int32 keys: at most "
-                         f"{_MAX_KEY // vocab_size} states fit")
 
 
 class _Sizes:

@@ -1,40 +1,51 @@
-"""Specs -> outlines-core token automata -> host arrays -> a `TokenAutomaton` on the device, cached.
+"""Specs -> token automata, through a bounded compile: cheap limit checks, then a worker process, then the device.
 
 The vocabulary outlines-core sees maps each token's bytes (a byte-level token's characters mapped back to the
 bytes they stand for, `Tokenizer.token_bytes`) to its ids; special tokens (`<|im_start|>`, ...) are left out,
 the EOS ids are legal exactly in final states. outlines-core takes one EOS id (the tokenizer's `eos_token_id`);
-the tokenizer's other end ids (`eos_token_ids`, which the decode loop stops at too) are added as aliases: legal
-wherever that EOS is, leading to the same state.
+the tokenizer's other end ids (`eos_token_ids`, which the decode loop stops at too) are added as aliases.
 
-outlines-core's Index (its transitions as {state: {token: next state}}) becomes numpy arrays in the layout of
-`automaton` (states renumbered densely, the initial state first, so every compiled automaton starts at state
-0 = `INITIAL`; `forced` counts outlines-core's EOS but not its aliases), then one transfer to the device.
-
-`compile_constraint(spec, tokenizer, vocab_size)` is cached by (spec, the tokenizer's vocabulary fingerprint,
-vocab_size): a second call with an equal spec returns the same object. The fingerprint (a hash of every token's
-bytes and the EOS ids) is computed once per tokenizer object.
+`compile_constraint(spec, tokenizer, vocab_size, limits)`:
+  1. checks the spec against `limits` from its text alone (`jaxspec.constraints.limits`: milliseconds);
+  2. looks it up in the cache, keyed by (spec, the vocabulary's fingerprint, vocab_size) and bounded by the
+     bytes of the automata it holds (LRU), and in a smaller cache of the specs refused before;
+  3. has a worker process build the regex (a schema's) and outlines-core's Index, check the automaton's size
+     and return its tables, within the time and memory budget (`jaxspec.constraints.compiler`);
+  4. computes the forced texts (`jump`, which needs the tokenizer) and moves the automaton to the device.
+An equal spec then returns the same object. The fingerprint (a hash of every token's bytes and the EOS ids) is
+computed once per tokenizer object.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 import hashlib
+import json
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import outlines_core
-
-from .automaton import HostAutomaton, TokenAutomaton, check_key_range, to_device
+from .automaton import HostAutomaton, TokenAutomaton, to_device
+from .compiler import Compiler
 from .jump import jump_tokens
+from .limits import (
+    ConstraintLimits,
+    ConstraintTooLarge,
+    check_automaton,
+    check_options,
+    check_regex,
+    check_schema,
+    shown,
+)
 from .spec import Choice, JsonSchema, Regex
 
 if TYPE_CHECKING:
     from jaxspec.models.tokenizer import Tokenizer
 
-_CACHE_SIZE = 128  # compiled automata kept (each a few MB at V = 49152)
+DEFAULT_LIMITS = ConstraintLimits()
+CACHE_BYTES = 512 << 20  # compiled automata kept, device arrays and their host twins counted
+_REFUSALS = 256  # refused specs remembered, so a client repeating one is refused at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +53,7 @@ class HostVocabulary:
     """What outlines-core needs from a tokenizer, built once per vocabulary."""
 
     fingerprint: str  # sha256 of the token bytes, the left-out ids and the EOS ids
-    vocabulary: outlines_core.Vocabulary
+    tokens: dict  # {token bytes: [ids]}: outlines-core's Vocabulary, built in the worker from it
     eos_token_ids: tuple[int, ...]  # eos_token_ids[0] is the one outlines-core knows
     num_tokens: int  # ids the tokenizer produces: [0, num_tokens)
     token_bytes: tuple = ()  # token_bytes[t]: token t's bytes (None for special tokens and EOS)
@@ -90,106 +101,145 @@ def _build_vocabulary(tokenizer: Tokenizer) -> HostVocabulary:
         if data:
             tokens.setdefault(data, []).append(i)
             token_bytes[i] = data
-    vocabulary = outlines_core.Vocabulary(eos[0], tokens)
-    return HostVocabulary(digest.hexdigest(), vocabulary, eos, num_tokens, tuple(token_bytes), tokenizer.encode)
+    return HostVocabulary(digest.hexdigest(), tokens, eos, num_tokens, tuple(token_bytes), tokenizer.encode)
 
 
-def compile_constraint(spec: Regex | JsonSchema | Choice, tokenizer: Tokenizer, vocab_size: int) -> TokenAutomaton:
+class AutomatonCache:
+    """Compiled automata by key, least recently used first out once they hold more than `max_bytes`."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0  # held now
+        self._items: collections.OrderedDict = collections.OrderedDict()  # key -> (automaton, bytes)
+        self._lock = threading.Lock()
+
+    def get(self, key) -> TokenAutomaton | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
+
+    def put(self, key, automaton: TokenAutomaton) -> None:
+        size = 2 * automaton.nbytes  # the device arrays and their host twin (`stack` reads it)
+        with self._lock:
+            if key in self._items:
+                self.bytes -= self._items.pop(key)[1]
+            self._items[key] = (automaton, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes and len(self._items) > 1:
+                self.bytes -= self._items.popitem(last=False)[1][1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+compiler = Compiler()  # the worker processes every compile goes through
+automata = AutomatonCache(CACHE_BYTES)
+_refused: collections.OrderedDict = collections.OrderedDict()  # (key, limits) -> a function raising the error
+
+
+def compile_constraint(spec: Regex | JsonSchema | Choice, tokenizer: Tokenizer, vocab_size: int,
+                       limits: ConstraintLimits | None = None,
+                       cancel: threading.Event | None = None) -> TokenAutomaton:
     """The device automaton of `spec` over `tokenizer`'s vocabulary, masks `vocab_size` wide (the model's
     vocabulary, >= the tokenizer's; ids the tokenizer never produces are never legal). Starts at `INITIAL`.
 
-    Cached: an equal spec over an equal vocabulary returns the same object. ValueError for a spec outlines-core
-    cannot compile over this vocabulary (naming the regex), or a vocab_size too small.
+    Cached: an equal spec over an equal vocabulary returns the same object. ConstraintTooLarge (a ValueError)
+    for a spec beyond `limits` (default `ConstraintLimits()`) or its compile's budget, ValueError for one
+    outlines-core cannot compile, or a vocab_size too small; CompilerBusy when too many compiles wait,
+    CompileCancelled when `cancel` is set before the compile ends (its worker is killed).
     """
     if not isinstance(spec, (Regex, JsonSchema, Choice)):
-        raise ValueError(f"spec must be a Regex, JsonSchema or Choice, got {spec!r}")
+        raise ValueError(f"spec must be a Regex, JsonSchema or Choice, got {shown(repr(spec))}")
+    limits = DEFAULT_LIMITS if limits is None else limits
+    if not isinstance(limits, ConstraintLimits):
+        raise ValueError(f"limits must be a ConstraintLimits, got {shown(repr(limits))}")
     vocab = host_vocabulary(tokenizer)
-    return _compile_cached(spec, vocab.fingerprint, int(vocab_size))
+    vocab_size = int(vocab_size)
+    if vocab_size < vocab.num_tokens:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {vocab.num_tokens} tokens")
+    job = worker_job(spec, limits)
+    key = (spec, vocab.fingerprint, vocab_size)
+    found = automata.get(key)
+    if found is None:
+        found = _compile(key, job, vocab, limits, cancel)
+    check_automaton(found.num_states, found.num_edges, limits, job["what"])
+    return found
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _compile_cached(spec, fingerprint: str, vocab_size: int) -> TokenAutomaton:
-    return to_device(compile_host(spec, _by_fingerprint[fingerprint], vocab_size))
+def _compile(key, job: dict, vocab: HostVocabulary, limits: ConstraintLimits,
+             cancel: threading.Event | None) -> TokenAutomaton:
+    refusal = _refused.get((key, limits))
+    if refusal is not None:
+        refusal()
+    job = dict(job, fingerprint=vocab.fingerprint, eos=vocab.eos_token_ids, vocab_size=key[2])
+    with compiler.slot(cancel) as worker:
+        found = automata.get(key)  # compiled while this one waited for a worker
+        if found is not None:
+            return found
+        try:
+            tables = worker.run(job, (vocab.eos_token_ids[0], vocab.tokens), limits, cancel)
+        except ValueError as e:
+            _refuse((key, limits), e)
+            raise
+    jump = jump_tokens(tables["keys"], tables["next"], tables["final"], key[2], vocab.token_bytes, vocab.encode)
+    aut = to_device(HostAutomaton(**tables, jump=jump, vocab_size=key[2]))
+    automata.put(key, aut)
+    return aut
+
+
+def _refuse(key, error: ValueError) -> None:
+    """Remember that `key` was refused with `error`: the next try raises an equal error at once."""
+    message = str(error)
+    if isinstance(error, ConstraintTooLarge):
+        limit, maximum, value = error.limit, error.maximum, error.value
+
+        def again() -> None:
+            raise ConstraintTooLarge(message, limit, maximum, value)
+    else:
+        def again() -> None:
+            raise ValueError(message)
+    with _lock:
+        _refused[key] = again
+        while len(_refused) > _REFUSALS:
+            _refused.popitem(last=False)
+
+
+def worker_job(spec: Regex | JsonSchema | Choice, limits: ConstraintLimits) -> dict:
+    """What the worker compiles for `spec` ({"regex"} or {"schema", "whitespace"}, "what" and the limits),
+    once its cheap checks pass: ConstraintTooLarge naming the limit and the offending part otherwise."""
+    what = shown(repr(spec), 120)
+    if isinstance(spec, JsonSchema):
+        try:
+            schema = json.loads(spec.schema)
+        except RecursionError:
+            raise limits.refuse("max_schema_depth", "too deep for the JSON parser",
+                                f"JSON schema {spec.schema!r}") from None
+        check_schema(spec.schema, schema, limits)
+        check_regex(spec.whitespace, limits, "whitespace pattern")
+        job = {"schema": spec.schema, "whitespace": spec.whitespace}
+    else:
+        if isinstance(spec, Choice):
+            check_options(list(spec.options), limits)
+        regex = spec.regex()
+        check_regex(regex, limits, "Choice regex" if isinstance(spec, Choice) else "regex")
+        job = {"regex": regex}
+    return dict(job, what=what, limits=dataclasses.asdict(limits))
 
 
 def clear_cache() -> None:
-    """Forget every compiled automaton (the vocabularies stay)."""
-    _compile_cached.cache_clear()
+    """Forget every compiled automaton and every refusal (the vocabularies stay)."""
+    automata.clear()
+    with _lock:
+        _refused.clear()
 
 
-def compile_host(spec: Regex | JsonSchema | Choice, vocab: HostVocabulary, vocab_size: int) -> HostAutomaton:
-    """outlines-core's Index of `spec` as host arrays (uncached)."""
-    if vocab_size < vocab.num_tokens:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {vocab.num_tokens} tokens")
-    regex = spec.regex()
-    try:
-        index = outlines_core.Index(regex, vocab.vocabulary)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"cannot compile {spec!r} (regex {regex!r}) over this vocabulary: {e}") from None
-    host = index_arrays(index, vocab.eos_token_ids, vocab_size)
-    if vocab.encode is None:
-        return host
-    jump = jump_tokens(host.keys, host.next, host.final, vocab_size, vocab.token_bytes, vocab.encode)
-    return dataclasses.replace(host, jump=jump)
-
-
-def index_arrays(index: outlines_core.Index, eos_token_ids: tuple[int, ...], vocab_size: int) -> HostAutomaton:
-    """Host arrays of an outlines-core Index; `eos_token_ids[1:]` become aliases of its EOS."""
-    transitions = index.get_transitions()  # {state: {token: next state}}
-    initial = index.get_initial_state()
-    finals = index.get_final_states()
-    reached = {n for row in transitions.values() for n in row.values()}
-    old = np.array(sorted((set(transitions) | reached) - {initial}), np.int64)
-    old = np.concatenate([[initial], old])  # new id = position: the initial state is 0 (INITIAL)
-    num_states = len(old)
-    check_key_range(num_states, vocab_size)
-    order = np.argsort(old, kind="stable")
-
-    def renumber(states: np.ndarray) -> np.ndarray:
-        return order[np.searchsorted(old[order], states)]
-
-    counts = [len(transitions.get(int(s), ())) for s in old]
-    total = sum(counts)
-    tok = np.empty(total, np.int64)
-    dst = np.empty(total, np.int64)
-    at = 0
-    for s, n in zip(old, counts):
-        if n:
-            row = transitions[int(s)]
-            tok[at:at + n] = np.fromiter(row.keys(), np.int64, n)
-            dst[at:at + n] = np.fromiter(row.values(), np.int64, n)
-            at += n
-    src = np.repeat(np.arange(num_states, dtype=np.int64), counts)
-    dst = renumber(dst)
-    final = np.zeros(num_states, bool)
-    final[renumber(np.array(sorted(finals), np.int64))] = True
-    if tok.size and (tok.min() < 0 or tok.max() >= vocab_size):
-        raise ValueError(f"outlines-core gave token {int(tok.max())} outside vocab_size={vocab_size}")
-
-    # forced: outlines-core's allowed set has exactly one token (EOS included, its aliases not).
-    forced = np.full(num_states, -1, np.int32)
-    single = np.flatnonzero(np.asarray(counts) == 1)
-    forced[single] = tok[np.searchsorted(src, single)]
-
-    # Every EOS id is legal in every final state and keeps it.
-    ends = np.flatnonzero(final)
-    eos = np.asarray(eos_token_ids, np.int64)
-    src = np.concatenate([src, np.repeat(ends, len(eos))])
-    tok = np.concatenate([tok, np.tile(eos, len(ends))])
-    dst = np.concatenate([dst, np.repeat(ends, len(eos))])
-    keys, first = np.unique(src * vocab_size + tok, return_index=True)  # sorted, one per (state, token)
-    src, tok, dst = src[first], tok[first], dst[first]
-
-    stuck = np.setdiff1d(np.flatnonzero(~final), src)
-    if stuck.size:  # outlines-core rejects such regexes itself; a mask with no legal token would be NaN
-        raise ValueError(f"state {int(stuck[0])} is not final and allows no token")
-
-    words = -(-vocab_size // 32)
-    bits = np.bincount(src * words + tok // 32, weights=np.left_shift(1, tok % 32).astype(np.float64),
-                       minlength=num_states * words)  # distinct bits per word: the sum is the OR (< 2**32, exact)
-    allowed = bits.astype(np.uint32).reshape(num_states, words)
-    return HostAutomaton(allowed=allowed, keys=keys.astype(np.int32), next=dst.astype(np.int32), final=final,
-                         forced=forced, jump=np.full(num_states, -1, np.int32), vocab_size=vocab_size)
-
-
-__all__ = ["HostVocabulary", "clear_cache", "compile_constraint", "compile_host", "host_vocabulary", "index_arrays"]
+__all__ = ["AutomatonCache", "CACHE_BYTES", "DEFAULT_LIMITS", "HostVocabulary", "automata", "clear_cache",
+           "compile_constraint", "compiler", "host_vocabulary", "worker_job"]

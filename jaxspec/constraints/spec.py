@@ -1,9 +1,14 @@
 """What a constrained row must write: a regex, a JSON schema or one of a few strings.
 
-Each spec is a frozen, hashable dataclass (the compile cache's key), checked when it is made, and compiles to
-one regex (`.regex()`) in the dialect of outlines-core, which is Rust's `regex` crate: `\\d` and `\\w` are
-Unicode classes (`\\d{4}` has 203 DFA states against 11 for `[0-9]{4}`), look-around and `\\b` are not
-supported, and the whole output must match (the pattern is anchored at both ends).
+Each spec is a frozen, hashable dataclass (the compile cache's key) and stands for one regex (`.regex()`) in
+the dialect of outlines-core, which is Rust's `regex` crate: `\\d` and `\\w` are Unicode classes (`\\d{4}` has
+203 DFA states against 11 for `[0-9]{4}`), look-around and `\\b` are not supported, and the whole output must
+match (the pattern is anchored at both ends).
+
+Making a spec checks its types and parses a schema's JSON, in time linear in its text, whatever its size:
+whether outlines-core accepts the regex or schema, and at what cost, is learnt when it compiles
+(`compile_constraint`, bounded by `ConstraintLimits`), since even building the regex of a small schema or the
+byte-level automaton of a short pattern (`.{1000000}`) can take minutes.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
+
+from .limits import shown
 
 # Whitespace a JSON schema's regex allows between tokens. outlines' "any whitespace" pattern (`[\n\t ]*`) lets a
 # small model emit spaces and newlines forever inside an object and never close it. None at all (minified JSON,
@@ -28,27 +34,15 @@ SPACED_WHITESPACE = r"[ ]?"
 # Characters with a meaning in a Rust regex (regex_syntax::is_meta_character): escaped in Choice options.
 _RUST_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
-# A vocabulary of the 256 single bytes: an Index over it builds the regex's DFA (so any syntax or unsupported
-# feature error appears) and can never miss a byte, so it checks a pattern without a tokenizer.
-_BYTES = outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
-
-
-@functools.lru_cache(maxsize=1024)
-def _check_regex(pattern: str, what: str) -> None:
-    """ValueError naming `pattern` if outlines-core cannot build an automaton for it."""
-    try:
-        outlines_core.Index(pattern, _BYTES)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"invalid {what} {pattern!r}: {e}") from None
-
 
 @functools.lru_cache(maxsize=1024)
 def _schema_regex(schema: str, whitespace: str) -> str:
-    """The regex outlines-core builds for a JSON schema (canonical text), or ValueError naming the schema."""
+    """The regex outlines-core builds for a JSON schema (canonical text), or ValueError naming the schema. Built
+    here, unbounded: `compile_constraint` builds it in its worker, within the compile's budget."""
     try:
         return build_regex_from_schema(schema, whitespace)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"invalid JSON schema {schema}: {e}") from None
+        raise ValueError(f"invalid JSON schema {shown(schema)}: {shown(str(e))}") from None
 
 
 def _escape(text: str) -> str:
@@ -64,8 +58,7 @@ class Regex:
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str):
-            raise ValueError(f"Regex pattern must be a str, got {self.pattern!r}")
-        _check_regex(self.pattern, "regex")
+            raise ValueError(f"Regex pattern must be a str, got {shown(repr(self.pattern))}")
 
     def regex(self) -> str:
         return self.pattern
@@ -89,18 +82,18 @@ class JsonSchema:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise ValueError(f"invalid JSON schema {self.schema!r}: not JSON ({e})") from None
+                raise ValueError(f"invalid JSON schema {shown(repr(self.schema))}: not JSON ({e})") from None
+            except RecursionError:
+                raise ValueError(f"invalid JSON schema {shown(repr(self.schema))}: nested too deeply") from None
         if not isinstance(value, Mapping) and not isinstance(value, bool):
-            raise ValueError(f"invalid JSON schema {self.schema!r}: must be a JSON object")
+            raise ValueError(f"invalid JSON schema {shown(repr(self.schema))}: must be a JSON object")
         try:
             text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"invalid JSON schema {self.schema!r}: {e}") from None
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ValueError(f"invalid JSON schema {shown(repr(self.schema))}: {shown(str(e) or repr(e))}") from None
         object.__setattr__(self, "schema", text)
         if not isinstance(self.whitespace, str):
-            raise ValueError(f"JsonSchema whitespace must be a regex str, got {self.whitespace!r}")
-        _check_regex(self.whitespace, "whitespace pattern")
-        _schema_regex(text, self.whitespace)
+            raise ValueError(f"JsonSchema whitespace must be a regex str, got {shown(repr(self.whitespace))}")
 
     def regex(self) -> str:
         return _schema_regex(self.schema, self.whitespace)
@@ -114,13 +107,13 @@ class Choice:
 
     def __init__(self, options: Sequence[str]) -> None:
         if isinstance(options, (str, bytes)) or not isinstance(options, Sequence):
-            raise ValueError(f"Choice options must be a sequence of strings, got {options!r}")
+            raise ValueError(f"Choice options must be a sequence of strings, got {shown(repr(options))}")
         options = tuple(options)
         if not options:
             raise ValueError("Choice options must not be empty: got an empty sequence")
         bad = [o for o in options if not isinstance(o, str)]
         if bad:
-            raise ValueError(f"Choice options must be strings, got {bad[0]!r}")
+            raise ValueError(f"Choice options must be strings, got {shown(repr(bad[0]))}")
         object.__setattr__(self, "options", options)
 
     def regex(self) -> str:

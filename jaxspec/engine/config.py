@@ -8,6 +8,7 @@ import dataclasses
 import jax
 
 from ..config import SpecConfig
+from ..constraints.limits import ConstraintLimits
 from ..methods import METHODS, names
 from ..shapes import BUCKET_MIN, widths_for_long_drafts
 
@@ -40,6 +41,15 @@ class EngineConfig:
     # Structured output: rows may decode under a constraint (`Request.constraint`); every row then carries an
     # automaton state and the batch the stacked automata of its rows (`jaxspec.constrained`).
     constraints: bool = True
+    # The batch's stacked automata take one fixed shape, so a new constraint never compiles a program: at most
+    # this many states and (state, token) edges across the distinct automata of the live rows. A request whose
+    # automaton alone needs more is refused; one that fits only once rows finish waits for them. The defaults
+    # hold `{"type": "object"}` (1505 states, 3.3M edges over SmolLM2's vocabulary) or a few dozen ordinary
+    # schemas (a 10-string-field object: 172 states, 513k edges); they cost ~58 MB of device memory at V = 49152.
+    constraint_states: int = 4096
+    constraint_edges: int = 1 << 22
+    # How large a constraint may be and its compile's time and memory budget (None: ConstraintLimits()).
+    constraint_limits: ConstraintLimits | None = None
 
     def __post_init__(self):
         if self.max_slots < 1:
@@ -51,6 +61,14 @@ class EngineConfig:
         if isinstance(self.max_prefill_batch, bool) or not isinstance(self.max_prefill_batch, int) \
                 or self.max_prefill_batch < 1:
             raise ValueError(f"max_prefill_batch={self.max_prefill_batch!r} must be None or an integer >= 1")
+        for name in ("constraint_states", "constraint_edges"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.constraint_limits is None:
+            object.__setattr__(self, "constraint_limits", ConstraintLimits())
+        if not isinstance(self.constraint_limits, ConstraintLimits):
+            raise ValueError(f"constraint_limits={self.constraint_limits!r} must be a ConstraintLimits or None")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting={self.max_waiting!r} must be >= 0")
         if self.max_logprobs is not None and not 0 <= self.max_logprobs <= 1024:

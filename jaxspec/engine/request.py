@@ -162,8 +162,9 @@ def check_sampling(sampling: SamplingParams) -> None:
 
 
 def compiled_constraint(constraint, config: EngineConfig, tokenizer, vocab_size: int):
-    """The request's constraint as a TokenAutomaton (compiled once per spec and tokenizer), or None; raises
-    InvalidRequest("constraint", ...) for one the engine cannot serve."""
+    """The request's constraint as a TokenAutomaton (compiled once per spec and tokenizer, within
+    config.constraint_limits), or None; raises InvalidRequest("constraint", ...) for one the engine cannot serve:
+    beyond its limits, or needing more than the batch's constraint capacity alone."""
     from ..constraints import Choice, JsonSchema, Regex, TokenAutomaton, compile_constraint
 
     if constraint is None:
@@ -174,16 +175,33 @@ def compiled_constraint(constraint, config: EngineConfig, tokenizer, vocab_size:
         if constraint.vocab_size != vocab_size:
             raise InvalidRequest("constraint", f"the automaton has {constraint.vocab_size} tokens; the model "
                                  f"{vocab_size}")
-        return constraint
+        return _within_capacity(constraint, config)
     if not isinstance(constraint, (Regex, JsonSchema, Choice)):
         raise InvalidRequest("constraint", f"constraint={constraint!r} must be a Regex, JsonSchema, Choice or "
                              "TokenAutomaton")
     if tokenizer is None:
         raise InvalidRequest("constraint", "the model has no tokenizer to compile the constraint over")
     try:
-        return compile_constraint(constraint, tokenizer, vocab_size)
+        automaton = compile_constraint(constraint, tokenizer, vocab_size, config.constraint_limits)
     except ValueError as e:
         raise InvalidRequest("constraint", str(e)) from None
+    return _within_capacity(automaton, config)
+
+
+def fits(automata, config: EngineConfig) -> bool:
+    """Whether the distinct automata of `automata` (None entries free) fit the batch's constraint capacity."""
+    from ..constraints.stack import used_size
+
+    states, edges = used_size(automata)
+    return states <= config.constraint_states and edges <= config.constraint_edges
+
+
+def _within_capacity(automaton, config: EngineConfig):
+    if not fits([automaton], config):
+        raise InvalidRequest("constraint", f"the constraint's automaton has {automaton.num_states} states and "
+                             f"{automaton.num_edges} edges; the engine's batch holds at most constraint_states="
+                             f"{config.constraint_states} and constraint_edges={config.constraint_edges}")
+    return automaton
 
 
 def validate(request: Request, config: EngineConfig, *, vocab_size: int, eos_ids: tuple[int, ...],

@@ -22,6 +22,7 @@ import numpy as np
 from ..config import SamplingParams, SpecConfig
 from ..constrained import ConstraintRows, ForcedTokenProposer
 from ..constraints import FREE, stack
+from ..constraints.tables import check_key_range
 from ..decode import DecodeState, RowLimits, SpecCounters, decode_chunk, pinned, prefill
 from ..generation import default_attention_impl
 from ..limits import stop_table
@@ -129,6 +130,11 @@ class Runner:
             # Rows with a prediction draft from it first; the member proposers draft for every other row.
             self.proposer = PredictionProposer(self.loop_k, config.max_prediction_len, ngram=RESYNC_NGRAM,
                                                min_match=RESYNC_MIN_MATCH, inner=self.proposer)
+        if config.constraints:  # every stacked key state * V + token must fit int32
+            try:
+                check_key_range(config.constraint_states, lm.config.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"constraint_states={config.constraint_states}: {e}") from None
         if config.constraints and not self.proposer.needs_features:
             # Constrained rows draft the tokens (and JSON keys) their constraint forces, within the loop's K.
             self.proposer = ForcedTokenProposer(self.loop_k, inner=self.proposer)
@@ -188,31 +194,43 @@ class Runner:
         if not self.config.constraints:
             return None
         if self.state is None or self.state.constraint is None:
-            automaton = BatchShared(stack([None], vocab_size=self.lm.config.vocab_size)[0])
+            automaton = BatchShared(self._stack([None])[0])
         else:
             automaton = self.state.constraint.automaton
         states = np.full((batch,), FREE, np.int32) if initial is None else np.asarray(initial, np.int32)
         return ConstraintRows(state=jnp.asarray(states), automaton=automaton)
 
-    def _restack(self, slots_: Sequence[int], requests: Sequence[Request]) -> list[int]:
+    def _stack(self, automata: Sequence) -> tuple:
+        """`stack` at the engine's fixed capacity: every stack has one shape, so no automaton compiles a program."""
+        return stack(automata, vocab_size=self.lm.config.vocab_size,
+                     capacity=(self.config.constraint_states, self.config.constraint_edges))
+
+    def _restack(self, slots_: Sequence[int], requests: Sequence[Request],
+                 occupied: Sequence[bool] | None = None) -> list[int]:
         """Record the admitted requests' automata in their slots, restacking the batch's automata (and moving
         the live rows' states to their automaton's new place) when one is new; returns each request's initial
-        state."""
+        state. Rows not `occupied` (None: all are) drop their automata, so finished rows take no capacity.
+        A request's constraint is its compiled automaton by now (`Engine.submit`): a cache hit at worst."""
         automata = list(self._row_automata)
+        if occupied is not None:
+            automata = [a if busy else None for a, busy in zip(automata, occupied)]
         for slot, r in zip(slots_, requests):
             automata[slot] = compiled_constraint(r.constraint, self.config, self.lm.tokenizer,
                                                  self.lm.config.vocab_size)
         if any(a is not None and id(a) not in self._stack_initial for a in automata):
-            aut, initial = stack(automata, vocab_size=self.lm.config.vocab_size)
+            aut, initial = self._stack(automata)
             initial = np.asarray(initial)
             new_map = {id(a): int(initial[i]) for i, a in enumerate(automata) if a is not None}
             delta = np.zeros((len(automata),), np.int32)  # i32[B] each live row's shift to the new stack
+            kept = np.zeros((len(automata),), bool)  # bool[B] the row's automaton is in the new stack
             for i, a in enumerate(self._row_automata):
                 if a is not None and id(a) in new_map:
                     delta[i] = new_map[id(a)] - self._stack_initial[id(a)]
-            old = self.state.constraint.state
+                    kept[i] = True
+            old = self.state.constraint.state  # i32[B]; a row whose automaton left the stack decodes free
+            moved = jnp.where(jnp.asarray(kept), old + jnp.asarray(delta), FREE)
             self.state = self.state.replace(constraint=ConstraintRows(
-                state=jnp.where(old >= 0, old + jnp.asarray(delta), old), automaton=BatchShared(aut)))
+                state=jnp.where(old >= 0, moved, old), automaton=BatchShared(aut)))
             self._stack_initial = new_map
             self._stacked = [a for a in automata if a is not None]
         self._row_automata = automata
@@ -300,13 +318,15 @@ class Runner:
         wants = np.asarray([r.logprobs is not None for r in requests] + [False] * pad)
         return jnp.asarray(prompts), jnp.asarray(lens, jnp.int32), sampling, limits, wants
 
-    def admit_batch(self, admissions: Sequence[tuple[int, Request, str, Sequence[int]]]) -> list[RowUpdate]:
+    def admit_batch(self, admissions: Sequence[tuple[int, Request, str, Sequence[int]]],
+                    occupied: Sequence[bool] | None = None) -> list[RowUpdate]:
         """Prefill requests together (`prefill_requests`) and write each one's row into its slot: `admissions`
         holds (slot, request, method, stop ids) per request, at most max(config.prefill_batch_sizes) of them,
         into distinct free slots. Returns each request's first token, which prefill samples (done when that
-        token is a stop id or the budget is one token)."""
+        token is a stop id or the budget is one token). `occupied`: which slots hold a live request (None: all),
+        so that finished rows' automata leave the batch's stack."""
         slots_, requests, methods, stop_ids = zip(*admissions)
-        initial = self._restack(slots_, requests) if self.config.constraints else None
+        initial = self._restack(slots_, requests, occupied) if self.config.constraints else None
         rows = self.prefill_requests(requests, methods, stop_ids, initial)
         if rows.done.shape[0] == 1:  # one request: written as it always was
             self.state = slots.insert(self.state, rows, jnp.asarray(slots_[0], jnp.int32))

@@ -11,6 +11,7 @@ empty batch; only chunks failing again and again (a broken device) stop the engi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -25,7 +26,18 @@ from ..logprobs import TokenLogprob
 from ..models.loading import LanguageModel
 from ..policy import AdaptivePolicy, ChunkReport, SpeculationPolicy
 from .config import EngineConfig
-from .request import EngineStopped, Handle, LiveRequest, Output, QueueFull, Request, check_method, validate
+from .request import (
+    EngineStopped,
+    Handle,
+    LiveRequest,
+    Output,
+    QueueFull,
+    Request,
+    check_method,
+    compiled_constraint,
+    fits,
+    validate,
+)
 from .runner import EngineMetrics, RowUpdate, Runner
 
 _log = logging.getLogger("jaxspec.engine")
@@ -100,6 +112,10 @@ class Engine:
         """Queue a request; `callback` receives its outputs on the engine thread (keep it quick)."""
         stop_ids = validate(request, self.config, vocab_size=self.lm.config.vocab_size, eos_ids=self.eos_ids,
                             tokenizer=self.lm.tokenizer)
+        if request.constraint is not None:  # compiled here (a cache hit after validate): never on the loop thread
+            automaton = compiled_constraint(request.constraint, self.config, self.lm.tokenizer,
+                                            self.lm.config.vocab_size)
+            request = dataclasses.replace(request, constraint=automaton)
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
@@ -240,19 +256,28 @@ class Engine:
                 room = min(self.config.max_slots - self.num_active, self.config.max_prefill_batch)
                 if room <= 0:
                     return
-                batch, cancelled = [], []
+                batch, cancelled, later = [], [], []
+                # The live rows' automata and the batch's share the stack's fixed capacity: a constrained
+                # request that does not fit beside them waits (in its place) for rows to finish, and those
+                # behind it that fit go first.
+                automata = [s.request.constraint for s in self._slots if s is not None]
                 while self._waiting and len(batch) < room:
                     live = self._waiting.pop(0)
                     if live.request_id in self._cancelled:
                         self._cancelled.discard(live.request_id)
                         cancelled.append(live)
-                    else:
+                    elif live.request.constraint is None or fits(automata + [live.request.constraint], self.config):
                         batch.append(live)
+                        automata.append(live.request.constraint)
+                    else:
+                        later.append(live)
+                self._waiting[:0] = later
                 self.metrics.requests_waiting = len(self._waiting)
             for live in cancelled:
                 self._finish(live, [], "cancelled")
-            if batch:
-                self._admit_batch(batch)
+            if not batch:  # every waiting request was looked at: none fits now
+                return
+            self._admit_batch(batch)
 
     def _admit_batch(self, batch: list[LiveRequest]) -> None:
         """Prefill `batch` together into free slots (growing the batch to a bucket that holds them). When that
@@ -265,7 +290,8 @@ class Engine:
                 free = [i for i, s in enumerate(self._slots) if s is None]
             slots = free[:len(batch)]
             firsts = self.runner.admit_batch([(slot, live.request, live.method, live.stop_ids)
-                                              for slot, live in zip(slots, batch)])
+                                              for slot, live in zip(slots, batch)],
+                                             occupied=[s is not None for s in self._slots])
         except Exception as e:  # noqa: BLE001 - a request that cannot be admitted fails alone, and is answered
             if len(batch) > 1 and not self.runner.lost():
                 _log.exception("admitting %d requests together failed; admitting them one by one", len(batch))

@@ -73,7 +73,7 @@ def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics
             raise RequestError("prompt is empty: at least one token is needed", param="prompt")
         check_choices(engine, len(prompts), body.n, "prompt")  # refused before any work
         ids_list = await translator.encode_all(prompts, "prompt")
-        await translator.compile_response_format(body)
+        await translator.compile_response_format(body, request)
         requests = []
         for ids in ids_list:
             if not ids:
@@ -93,7 +93,7 @@ def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         ids = await translator.chat_prompt(body.messages)
-        await translator.compile_response_format(body)
+        await translator.compile_response_format(body, request)
         requests = await translator.engine_requests(body, ids, prompt_param="messages", default_max=None,
                                                     logprobs_param="top_logprobs")
         choices = submit(engine, requests, tokenizer, body.stop_strings)

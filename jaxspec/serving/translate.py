@@ -12,13 +12,17 @@ request with seed s samples with seed s + i, so n choices differ and a request r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import secrets
+import threading
 from concurrent.futures import Executor
 
 from ..config import InvalidSetting, SamplingParams
 from ..constraints import JsonSchema, compile_constraint
+from ..constraints.compiler import CompilerBusy
+from ..constraints.limits import shown
 from ..engine import Engine, InvalidRequest, Request
 from .bodies import OFF_LOOP_BYTES
 from .errors import invalid_request
@@ -73,16 +77,53 @@ class Translator:
             raise RequestError(f"{param} is empty: at least one token is needed", param=param)
         return ids
 
-    async def compile_response_format(self, body) -> None:
-        """Compile the body's `response_format` constraint off the event loop (a new schema takes from
-        milliseconds to seconds; compiled ones are cached, so the engine's own check is then instant)."""
+    async def compile_response_format(self, body, request=None) -> None:
+        """Compile the body's `response_format` constraint off the event loop, within the engine's
+        `constraint_limits` (a new schema takes from milliseconds to its time budget; compiled ones are cached,
+        so the engine's own check is then instant). The compile runs in its own thread, which waits on a worker
+        process (`jaxspec.constraints.compiler`), so slow compiles never hold asyncio's thread pool. While it
+        runs, `request` (the HTTP request) is watched: when its client goes away the compile is killed and
+        CancelledError raised, so nothing is submitted. RequestError: 400 naming `response_format` for a
+        constraint beyond the limits or invalid, 429 when too many compiles wait."""
         spec = response_constraint(body.response_format)
         if spec is None or not self.engine.config.constraints:
             return
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        cancel = threading.Event()
+
+        def settle(outcome: tuple) -> None:
+            if not done.done():
+                done.set_result(outcome)
+
+        def run() -> None:
+            try:
+                compile_constraint(spec, self.tokenizer, self.engine.lm.config.vocab_size,
+                                   self.engine.config.constraint_limits, cancel)
+                outcome = (None,)
+            except BaseException as e:  # noqa: BLE001 - handed to the event loop, which raises it
+                outcome = (e,)
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(settle, outcome)
+
+        threading.Thread(target=run, name="jaxspec-constraint", daemon=True).start()
         try:
-            await asyncio.to_thread(compile_constraint, spec, self.tokenizer, self.engine.lm.config.vocab_size)
-        except ValueError as e:
-            raise RequestError(f"response_format: {e}", param="response_format") from None
+            while not (await asyncio.wait({done}, timeout=_DISCONNECT_POLL_S))[0]:
+                if request is not None and await request.is_disconnected():
+                    raise asyncio.CancelledError("the client disconnected while its constraint compiled")
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+        error = done.result()[0]
+        if isinstance(error, CompilerBusy):
+            raise RequestError(f"response_format: {error}", param="response_format", status=429,
+                               type="rate_limit_error", code="too_many_compiles")
+        if isinstance(error, ValueError):
+            param = "response_format.json_schema" if body.response_format.type == "json_schema" \
+                else "response_format"
+            raise RequestError(f"response_format: {shown(str(error), 500)}", param=param) from None
+        if error is not None:
+            raise error
 
     async def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of a chat rendered with the model's chat template, ready for the assistant's reply."""
@@ -140,6 +181,8 @@ class Translator:
                           for i in range(1, body.n)]
 
 
+_DISCONNECT_POLL_S = 0.5  # how often a compiling request's client is checked for
+
 # `response_format: {"type": "json_object"}`: any JSON object (outlines-core's generic object; its automaton
 # compiles once, in seconds, and is cached).
 ANY_OBJECT = {"type": "object"}
@@ -157,5 +200,5 @@ def response_constraint(fmt: ResponseFormat | None) -> JsonSchema | None:
                            param="response_format.json_schema")
     try:
         return JsonSchema(schema)
-    except ValueError as e:
-        raise RequestError(f"response_format: {e}", param="response_format.json_schema") from None
+    except ValueError as e:  # the schema's JSON alone: its limits are checked when it compiles
+        raise RequestError(f"response_format: {shown(str(e), 500)}", param="response_format.json_schema") from None
