@@ -27,11 +27,11 @@ Each step:
               [+ kl_coef * k3(policy || initial policy) summed over the tokens, when --kl-coef > 0]
 
    with rho_t = exp(log pi(y_t) - log pi_rollout(y_t)): log pi from a differentiable forward over prompt +
-   completion (`logits_at` the completion positions, masked to the completion's tokens, the stop token
-   included), log pi_rollout the rollout's own log-probabilities. Its gradient at rho = 1 is exactly
-   -mean(A * grad sum_t log pi(y_t)), the plain GRPO/REINFORCE form; the ratio and the clip only matter for
-   the `--updates-per-rollout` > 1 passes (PPO-style reuse) and absorb the small difference between the
-   decode loop's and the training forward's arithmetic. log pi is the log-softmax of logits / temperature,
+   completion (`jaxspec.score_arrays`, scoring the completion's tokens, the stop token included, with logits
+   at the completion's positions only), log pi_rollout the rollout's own log-probabilities. Its gradient at
+   rho = 1 is exactly -mean(A * grad sum_t log pi(y_t)), the plain GRPO/REINFORCE form; the ratio and the clip
+   only matter for the `--updates-per-rollout` > 1 passes (PPO-style reuse) and absorb the small difference
+   between the decode loop's and the training forward's arithmetic. log pi is the log-softmax of logits / temperature,
    the distribution the rollout sampled from (no top-k/top-p here), so rho compares like with like; at the
    default temperature 1.0 that is the model's raw distribution.
    The update is AdamW (optax) on a subset of the weights: the last `--train-layers` decoder layers and the
@@ -96,16 +96,18 @@ def group_advantages(rewards, eps: float = 1e-4) -> np.ndarray:
 class Batch:
     """P x G completions laid out for the training forward, one row per sample (p * G + g), padded.
 
-    Row i holds prompt + completion + padding in `tokens`; its completion token j is predicted at index
-    `logits_at[i, j]` (= prompt length - 1 + j) and is `targets[i, j]`, counted where `mask[i, j]`.
+    Row i holds prompt + completion + padding in `tokens`: `lengths[i]` tokens, the completion from index
+    `prompt_lens[i]` on. `mask` marks the completion's positions, the ones `jaxspec.score_arrays` scores; rows
+    past the P * G samples are padding of length 0 (nothing scored, zero advantage).
     """
 
     tokens: np.ndarray  # i32[R, T]
-    logits_at: np.ndarray  # i32[R, N]
-    targets: np.ndarray  # i32[R, N]
-    mask: np.ndarray  # f32[R, N]
-    old_logprobs: np.ndarray  # f32[R, N] the rollout's log-probabilities (0 where masked)
+    lengths: np.ndarray  # i32[R] prompt + completion
+    prompt_lens: np.ndarray  # i32[R]
+    mask: np.ndarray  # f32[R, T] 1 at the completion's tokens
+    old_logprobs: np.ndarray  # f32[R, T] the rollout's log-probabilities at the completion's tokens (0 elsewhere)
     advantages: np.ndarray  # f32[R] (0 for padding rows)
+    max_new_tokens: int  # N: no completion is longer, so the forward computes logits at N positions per row
     num_samples: int  # P * G real rows (the loss is their mean)
 
     @property
@@ -113,7 +115,7 @@ class Batch:
         return self.tokens.shape[0]
 
     def slice(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        return {k: getattr(self, k)[start:stop] for k in ("tokens", "logits_at", "targets", "mask",
+        return {k: getattr(self, k)[start:stop] for k in ("tokens", "lengths", "prompt_lens", "mask",
                                                           "old_logprobs", "advantages")}
 
 
@@ -131,10 +133,10 @@ def make_batch(prompt_ids: list[list[int]], completions: list[list[list[int]]], 
     width = round_up(max(len(p) for p in prompt_ids) + max_new_tokens, width_multiple)
     n = max_new_tokens
     tokens = np.zeros((rows, width), np.int32)
-    logits_at = np.zeros((rows, n), np.int32)
-    targets = np.zeros((rows, n), np.int32)
-    mask = np.zeros((rows, n), np.float32)
-    old = np.zeros((rows, n), np.float32)
+    lengths = np.zeros((rows,), np.int32)
+    prompt_lens = np.zeros((rows,), np.int32)
+    mask = np.zeros((rows, width), np.float32)
+    old = np.zeros((rows, width), np.float32)
     adv = np.zeros((rows,), np.float32)
     for p, prompt in enumerate(prompt_ids):
         for g in range(group):
@@ -143,14 +145,13 @@ def make_batch(prompt_ids: list[list[int]], completions: list[list[list[int]]], 
                 raise ValueError(f"completion ({p}, {g}) has {len(done)} tokens > max_new_tokens={n}")
             seq = list(prompt) + list(done)
             tokens[i, : len(seq)] = seq
-            logits_at[i] = np.minimum(len(prompt) - 1 + np.arange(n), width - 1)
-            targets[i, : len(done)] = done
-            mask[i, : len(done)] = 1.0
+            lengths[i], prompt_lens[i] = len(seq), len(prompt)
+            mask[i, len(prompt): len(seq)] = 1.0
             if logprobs is not None:
-                old[i, : len(done)] = logprobs[p][g]
+                old[i, len(prompt): len(seq)] = logprobs[p][g]
             adv[i] = advantages[p][g]
-    return Batch(tokens=tokens, logits_at=logits_at, targets=targets, mask=mask, old_logprobs=old, advantages=adv,
-                 num_samples=num_rows)
+    return Batch(tokens=tokens, lengths=lengths, prompt_lens=prompt_lens, mask=mask, old_logprobs=old,
+                 advantages=adv, max_new_tokens=n, num_samples=num_rows)
 
 
 # ---------------------------------------------------------------------------------------- trainable subset
@@ -191,30 +192,23 @@ def tie_head(config, params):
 # ------------------------------------------------------------------------------------- forward and loss
 
 
-def token_logprobs(graphdef, params, tokens, logits_at, targets, temperature: float):
-    """f32[B, N]: log pi(targets[b, j]) at index logits_at[b, j] of one causal forward over tokens [B, T],
-    with pi = softmax(logits / temperature). Differentiable (the CPU matmul kernel gives XLA the derivatives)."""
-    model = nnx.merge(graphdef, params)
-    batch, width = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    # An empty cache of exactly T slots, cached_slots=0: a prefill; right padding never reaches a real token.
-    out, _ = model(tokens, positions, model.new_cache(batch, width), logits_at=logits_at, attention_impl="xla",
-                   cached_slots=0)
-    logits = out.logits.astype(jnp.float32) / temperature  # [B, N, V]
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+def completion_logprobs(graphdef, params, mb: dict, temperature: float, max_new_tokens: int):
+    """f32[R, T]: log pi of each completion token of the micro-batch `mb` (a `Batch.slice`), 0 elsewhere, with
+    pi = softmax(logits / temperature), from one forward over prompt + completion (`jaxspec.score_arrays`,
+    differentiable in params). Logits are computed at the N = max_new_tokens completion positions only."""
+    return jaxspec.score_arrays(graphdef, params, mb["tokens"], mb["lengths"], mb["prompt_lens"], temperature,
+                                max_scored=max_new_tokens).logprobs
 
 
 def grpo_loss(trainable, frozen, mb: dict, ref_logprobs, num_samples, *, graphdef, temperature: float,
-              clip_eps: float, kl_coef: float):
+              max_new_tokens: int, clip_eps: float, kl_coef: float):
     """The GRPO loss of one micro-batch `mb` (a `Batch.slice`) and its per-token log-probabilities.
 
     trainable and frozen are the two parts of the weights (`nnx.split_state`); the loss is differentiated with
     respect to `trainable` only. It is the micro-batch's share of the mean over all `num_samples` samples, so
     the micro-batches' losses (and gradients) add up to the whole batch's.
     """
-    logp = token_logprobs(graphdef, nnx.merge_state(trainable, frozen), mb["tokens"], mb["logits_at"],
-                          mb["targets"], temperature)
+    logp = completion_logprobs(graphdef, nnx.merge_state(trainable, frozen), mb, temperature, max_new_tokens)
     mask, adv = mb["mask"], mb["advantages"][:, None]
     ratio = jnp.exp((logp - mb["old_logprobs"]) * mask)
     objective = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
@@ -229,12 +223,12 @@ def grpo_loss(trainable, frozen, mb: dict, ref_logprobs, num_samples, *, graphde
 
 # Module-level jitted functions, static in the model and the loss's settings: trainers alike share programs.
 loss_and_grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True),
-                        static_argnames=("graphdef", "temperature", "clip_eps", "kl_coef"))
+                        static_argnames=("graphdef", "temperature", "max_new_tokens", "clip_eps", "kl_coef"))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))
-def forward_logprobs(params, mb: dict, *, graphdef, temperature: float):
-    return token_logprobs(graphdef, params, mb["tokens"], mb["logits_at"], mb["targets"], temperature)
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "max_new_tokens"))
+def forward_logprobs(params, mb: dict, *, graphdef, temperature: float, max_new_tokens: int):
+    return completion_logprobs(graphdef, params, mb, temperature, max_new_tokens)
 
 
 @jax.jit
@@ -298,23 +292,25 @@ class GRPOTrainer:
         self.compile_s = 0.0  # seconds spent compiling, in all
 
     def _run(self, fn, *args, **static):
-        """fn(*args, **static) through an executable compiled ahead of time for these argument shapes, so that
-        compiling is timed apart (`compile_s`) and later calls skip tracing."""
-        key = (fn, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
+        """fn(*args, **static) through an executable compiled ahead of time for these argument shapes and static
+        settings, so that compiling is timed apart (`compile_s`) and later calls skip tracing."""
+        key = (fn, tuple(sorted(static.items())), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
         if key not in self._programs:
             t0 = time.perf_counter()
             self._programs[key] = fn.lower(*args, **static).compile()
             self.compile_s += time.perf_counter() - t0
         return self._programs[key](*args)
 
-    def _logprobs(self, params, part: dict):
+    def _logprobs(self, params, part: dict, max_new_tokens: int):
         return self._run(forward_logprobs, params, part, graphdef=self.lm.graphdef,
-                         temperature=self._static["temperature"])
+                         temperature=self._static["temperature"], max_new_tokens=max_new_tokens)
 
     def logprobs(self, params, batch: Batch) -> np.ndarray:
-        """f32[R, N] each completion token's log-probability under `params` (the loss's forward, no gradient)."""
+        """f32[R, T] each completion token's log-probability under `params` at its position in `batch.tokens`, 0
+        elsewhere (the loss's forward, no gradient)."""
         mb = self.config.micro_batch
-        out = [np.asarray(self._logprobs(params, batch.slice(i, i + mb))) for i in range(0, batch.rows, mb)]
+        out = [np.asarray(self._logprobs(params, batch.slice(i, i + mb), batch.max_new_tokens))
+               for i in range(0, batch.rows, mb)]
         return np.concatenate(out) * batch.mask
 
     def update(self, params, batch: Batch) -> tuple[Any, dict]:
@@ -331,9 +327,10 @@ class GRPOTrainer:
             total, grads = 0.0, None
             for i in range(0, batch.rows, mb):
                 part = batch.slice(i, i + mb)
-                ref = (self._logprobs(self.reference, part) if self.reference is not None
-                       else jnp.zeros(part["targets"].shape, jnp.float32))
-                (loss, aux), g = self._run(loss_and_grad, trainable, frozen, part, ref, n, **self._static)
+                ref = (self._logprobs(self.reference, part, batch.max_new_tokens) if self.reference is not None
+                       else jnp.zeros(part["mask"].shape, jnp.float32))
+                (loss, aux), g = self._run(loss_and_grad, trainable, frozen, part, ref, n, **self._static,
+                                           max_new_tokens=batch.max_new_tokens)
                 grads = g if grads is None else self._run(_tree_add, grads, g)
                 total += float(loss)
                 clipped += float(aux["clipped"])

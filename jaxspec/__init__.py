@@ -19,6 +19,7 @@ from .proposers import StaticSuffixAutomaton
 from .rejection import rejection_sample
 from .rollouts import RolloutResult, RolloutStats, rollout, sample_seeds
 from .sampling import process_logits, processed_probs, sample
+from .score import ScoreResult, score, score_arrays
 from .target import TargetModel, check_target
 from .tree import TreeTopology, verify_tree
 
@@ -39,6 +40,7 @@ __all__ = [
     "RowLimits",
     "RowStats",
     "SamplingParams",
+    "ScoreResult",
     "SpecConfig",
     "StaticSuffixAutomaton",
     "TargetModel",
@@ -58,6 +60,8 @@ __all__ = [
     "sample_seeds",
     "processed_probs",
     "sample",
+    "score",
+    "score_arrays",
     "spec_step",
     "verify_tree",
 ]
