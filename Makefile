@@ -39,9 +39,26 @@ docs:
 	$(PYTHON) -m pip install -q -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 
+# docs/benchmarks.md's blocks, in the page's order, each rewritten by its benchmark (--write-page; the reports' JSON
+# in bench_out/). Small settings, chosen from the scripts' own run times to fit about 40 minutes on a 2-core CPU;
+# each script's defaults are its full run, and a block records the command that wrote it. The attention kernel's
+# block needs a GPU and is skipped on a CPU.
 bench: install
 	$(PYTHON) -m pip install -q -e ".[bench,peers]"
-	$(PYTHON) scripts/bench.py
-	$(PYTHON) scripts/bench.py --spec --peers
-	$(PYTHON) scripts/bench.py --heads
-	$(PYTHON) scripts/bench_serve.py
+	$(PYTHON) scripts/bench.py --peers --peer-prompts 4 --batches 1,8 --new-tokens 64 --repeats 2 --write-page
+	$(PYTHON) scripts/bench_spec.py --limit 4 --batch1-limit 2 --new-tokens 64 --methods none,ngram,sam --ks default \
+		--temperatures 0 --sweep-batches "" --cost-ts 1,3,5,9,17 --overhead-repeats 5 --write-page
+	$(PYTHON) scripts/bench_heads.py --workloads held-out,held-out-chat --methods none,sam,eagle3 --budgets 15 \
+		--eagle2-trees "" --cost-aware-budgets "" --temperatures 0 --limit 4 --new-tokens 64 --write-page
+	$(PYTHON) scripts/bench_serve.py --concurrency 1,4 --max-tokens 32 --modes off,adaptive --write-page
+	$(PYTHON) scripts/bench_serve.py --engine --requests 16 --max-tokens 32 --repeats 2 --write-page
+	$(PYTHON) scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 128 --temperatures 0.7 \
+		--methods generate,none,group_sam --write-page
+	$(PYTHON) scripts/bench_outputs.py json --prompts 10 --new-tokens 64 --write-page
+	$(PYTHON) scripts/bench_outputs.py edits --prompts 6 --requests 4 --new-tokens 64 --write-page
+	if $(PYTHON) -c 'import jax; raise SystemExit(jax.default_backend() == "cpu")'; then \
+		$(PYTHON) scripts/bench_kernel.py --batches 1,8 --widths 4,16 --caches 1024,8192 --splits "" --write-page; fi
+	$(PYTHON) scripts/bench_kernel.py verify-cost --skip-micro --batch1-ts 1,3,5,9,17 --batch8-ts 1,9 --repeats 3 \
+		--write-page
+	$(PYTHON) scripts/bench_kernel.py mesh estimate --write-page
+	$(PYTHON) scripts/bench_profile.py --api generate --method sam --prompts 1 --samples 1 --temperature 0 --write-page

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxspec
-from benchkit import machine, peer_hf, tables, workloads
+from benchkit import machine, page, peer_hf, tables, workloads
 from benchkit.cli import ints
 from benchkit.timing import repeat, timer
 from jaxspec.models.loading import named_model_path
@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-prompts", type=int, default=8,
                         help="HumanEval prompts for --peers (default: %(default)s)")
     parser.add_argument("--out", default="bench_out/bench.json", help="JSON output (default: %(default)s)")
+    page.add_option(parser, "plain")
     args = parser.parse_args(argv)
 
     lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
@@ -127,24 +128,27 @@ def main(argv=None) -> int:
     if args.peers:
         report["peers"] = bench_peers(lm, prompts[: args.peer_prompts], args.new_tokens, [1, 8])
 
-    print(f"# jaxspec plain generation, {report['model']}, {machine.line(report)}")
-    print(f"\nweights read per decode step {report['weight_MB_per_step']:.0f} MB; matvec bandwidth "
-          f"{report['bandwidth_GBps']:.1f} GB/s; floor {floor_ms:.1f} ms/step")
+    lines = [f"# jaxspec plain generation, {report['model']}, {machine.line(report)}",
+             f"\nweights read per decode step {report['weight_MB_per_step']:.0f} MB; matvec bandwidth "
+             f"{report['bandwidth_GBps']:.1f} GB/s; floor {floor_ms:.1f} ms/step"]
     p = report["prefill"]
-    print(f"\nprefill: {p['prompt_tokens']} tokens in {p['seconds'] * 1000:.0f} ms = {p['tokens_per_s']:.0f} tokens/s")
-    print("\n" + tables.head(["batch", "decode tokens/s", "ms/step", "x floor"]))
-    for r in report["decode"]:
-        print(tables.row([r["batch"], f"{r['tokens_per_s']:.1f}", f"{r['ms_per_step']:.1f}",
-                          f"{r['x_floor']:.2f}"]))
+    lines.append(f"\nprefill: {p['prompt_tokens']} tokens in {p['seconds'] * 1000:.0f} ms = "
+                 f"{p['tokens_per_s']:.0f} tokens/s")
+    lines.append("\n" + tables.markdown(["batch", "decode tokens/s", "ms/step", "x floor"], [
+        [r["batch"], f"{r['tokens_per_s']:.1f}", f"{r['ms_per_step']:.1f}", f"{r['x_floor']:.2f}"]
+        for r in report["decode"]]))
     if args.peers:
-        print("\n" + tables.head(["batch", "jaxspec tokens/s", "transformers tokens/s", "ratio",
-                                   "identical greedy outputs"]))
-        for r in report["peers"]:
-            print(tables.row([r["batch"], f"{r['jaxspec_tokens_per_s']:.1f}", f"{r['peer_tokens_per_s']:.1f}",
-                              f"{r['ratio']:.2f}x", r["identical_outputs"]]))
+        lines.append("\n" + tables.markdown(
+            ["batch", "jaxspec tokens/s", "transformers tokens/s", "ratio", "identical greedy outputs"],
+            [[r["batch"], f"{r['jaxspec_tokens_per_s']:.1f}", f"{r['peer_tokens_per_s']:.1f}", f"{r['ratio']:.2f}x",
+              r["identical_outputs"]] for r in report["peers"]]))
+    text = "\n".join(lines)
+    print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nJSON: {args.out}")
+    if args.write_page:
+        page.write(args.write_page, text, report, report)
     return 0
 
 

@@ -6,14 +6,14 @@ about in a chat (`held-out-chat`, the model's chat template; workloads of benchk
 and at temperature 0.8, with the heads shipped for the default model (`SpecConfig(method=...)` finds them by name).
 For each method it reports mean acceptance length (tokens committed per step: the heads' property, whatever the
 hardware), tokens/s, the speedup over `none` and for the tree methods several node budgets: a tree of N nodes costs
-c(N+1) plain steps on this CPU (docs/BENCHMARKS.md), so the budget that maximises tokens/s is picked and reported,
+c(N+1) plain steps on this CPU (docs/benchmarks.md), so the budget that maximises tokens/s is picked and reported,
 beside the cost-aware trees, which draft the whole budget and score each step only the best nodes that the measured
 c(w) says repay their forward. Configurations run side by side: `--repeats` rounds, each running every
 configuration once in turn (every other round in reverse), after a warm-up round that compiles them; tokens/s is
 the median over rounds. Greedy outputs of every method are checked against `none` (lossless).
 
-Targets: EAGLE-2 mean acceptance length >= 3.0, Medusa >= 2.0 (issue 5); EAGLE-3 (31 nodes) >= 3.2 on code
-and >= 2.5 on chat, eagle2 or eagle3 >= 1.5x `none` on code and >= 1.3x on chat (issue 16); greedy, batch 1.
+Targets: EAGLE-2 mean acceptance length >= 3.0, Medusa >= 2.0; EAGLE-3 (31 nodes) >= 3.2 on code
+and >= 2.5 on chat, eagle2 or eagle3 >= 1.5x `none` on code and >= 1.3x on chat; greedy, batch 1.
 
     python scripts/bench_heads.py                        # ~20 min on an idle 2-core VM
     python scripts/bench_heads.py --limit 2 --new-tokens 32 --budgets 7   # smoke test
@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 import jaxspec
-from benchkit import machine, output, tables, workloads
+from benchkit import machine, output, page, tables, workloads
 from benchkit.acceptance import pooled_acceptance_length
 from benchkit.cli import floats, ints
 from benchkit.timing import interleave
@@ -203,6 +203,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved timed rounds (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default: %(default)s)")
     parser.add_argument("--out-dir", default="bench_out", help="(default: %(default)s)")
+    page.add_option(parser, "heads")
     args = parser.parse_args(argv)
     try:
         wide = [tuple(int(v) for v in t.split(":")) for t in args.eagle2_trees.split(",") if t]
@@ -247,6 +248,8 @@ def main(argv=None) -> int:
             report["runs"][key] = rows
             report["best"][key] = best_per_method(rows)
     output.write(args.out_dir, "bench_heads", report, markdown(report))
+    if args.write_page:
+        page.write(args.write_page, markdown(report), report, report)
     return output.exit_status([label for rows in report["runs"].values() for label, r in rows.items()
                                if r.get("same_as_none") is False])
 

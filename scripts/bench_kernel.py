@@ -1,5 +1,12 @@
 #!/usr/bin/env python
-"""Verification attention on a GPU: the Pallas kernel against XLA's attention, side by side.
+"""The kernels and devices: verification attention on a GPU (Pallas against XLA), the CPU matmul kernel's verify
+cost, and the model on device meshes.
+
+    python scripts/bench_kernel.py [ARGS]               # verification attention on a GPU (below)
+    python scripts/bench_kernel.py verify-cost [ARGS]   # c(T): XLA's matmul, the CPU kernel (benchkit/verify_cost.py)
+    python scripts/bench_kernel.py mesh measure|layout|estimate [ARGS]   # device meshes (benchkit/mesh.py)
+
+Verification attention on a GPU: the Pallas kernel against XLA's attention, side by side.
 
 `jaxspec.kernels.verify_attention` (Pallas, lowered through Triton) and `verify_attention_reference` (plain
 jnp, compiled by XLA) compute the same thing: the T new tokens of each of B rows against that row's KV cache
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import statistics
 import sys
 from pathlib import Path
@@ -37,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchkit import machine, output, tables
+from benchkit import machine, output, page, tables
 from benchkit.cli import ints
 from benchkit.timing import interleave, timer
 from jaxspec.kernels.verify_attention import BlockSizes, ancestor_mask, verify_attention, verify_attention_reference
@@ -58,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--interpret", action="store_true", help="run the kernel in the interpreter (CPU check only)")
     p.add_argument("--out", type=Path, default=Path("bench_out/bench_kernel.json"))
+    page.add_option(p, "kernel-attention")
     return p.parse_args(argv)
 
 
@@ -112,7 +121,13 @@ def measure(args, batch: int, num_new: int, num_slots: int, rng: np.random.Gener
     return rows
 
 
+MODES = {"verify-cost": "benchkit.verify_cost", "mesh": "benchkit.mesh"}
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MODES:
+        return importlib.import_module(MODES[argv[0]]).main(argv[1:])
     args = parse_args(argv)
     if jax.default_backend() == "cpu" and not args.interpret:
         print("bench_kernel times the compiled kernel, which needs a GPU; on CPU pass --interpret to check it runs",
@@ -123,19 +138,24 @@ def main(argv=None) -> int:
     print(f"# Hq {NUM_Q_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, {args.dtype}, "
           f"{'tree' if args.tree else 'chain'} mask; us per call, median of {args.repeats} x {args.calls} calls")
     columns = (["B", "T", "S", "fill", "xla us", "pallas us"] + [f"split {n} us" for n in args.splits]
-               + ["xla / pallas", "max |diff|"])
+               + ["xla / pallas", "max abs diff"])
     print(tables.head(columns), flush=True)
     rng = np.random.default_rng(0)
-    results = []
+    results, rows = [], []
     for batch in args.batches:
         for num_slots in args.caches:
             for num_new in args.widths:
                 for r in measure(args, batch, num_new, num_slots, rng):
                     results.append(r)
-                    print(tables.row([r["batch"], r["num_new"], r["num_slots"], r["fill"]]
-                                     + [tables.fmt(us, ".1f") for us in r["us"].values()]
-                                     + [tables.fmt(r["speedup"]), tables.fmt(r["max_abs_error"], ".1e")]), flush=True)
+                    rows.append([r["batch"], r["num_new"], r["num_slots"], r["fill"]]
+                                + [tables.fmt(us, ".1f") for us in r["us"].values()]
+                                + [tables.fmt(r["speedup"]), tables.fmt(r["max_abs_error"], ".1e")])
+                    print(tables.row(rows[-1]), flush=True)
     output.save_json(args.out, info, args, results)
+    if args.write_page:
+        page.write(args.write_page, f"{args.dtype}, {'tree' if args.tree else 'chain'} mask, Hq {NUM_Q_HEADS}, Hkv "
+                   f"{NUM_KV_HEADS}, D {HEAD_DIM}; us per call, median of {args.repeats} x {args.calls} calls\n\n"
+                   + tables.markdown(columns, rows), info, results)
     return 0
 
 

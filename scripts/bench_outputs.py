@@ -31,7 +31,7 @@ import statistics
 import jsonschema
 
 import jaxspec
-from benchkit import machine, tables, workloads
+from benchkit import machine, page, tables, workloads
 from jaxspec import SpecConfig
 
 EDIT_FRACTIONS = (0.0, 0.1, 0.3)
@@ -228,7 +228,7 @@ def bench_json(lm, args) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", choices=("edits", "json"))
     p.add_argument("--prompts", type=int, default=20, help="prompts (default: %(default)s)")
@@ -237,16 +237,23 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed rounds over the conditions per prompt, median rate (default: %(default)s)")
     p.add_argument("--out", help="also write the markdown tables to this file")
-    args = p.parse_args()
+    page.add_option(p, "outputs-WORKLOAD")
+    args = p.parse_args(argv)
+    if args.write_page == "outputs-WORKLOAD":
+        args.write_page = f"outputs-{args.workload}"
     lm = jaxspec.load_model()
-    print(machine.line(machine.info()), flush=True)
+    info = machine.info()
+    print(machine.line(info), flush=True)
     lines = bench_edits(lm, args) if args.workload == "edits" else bench_json(lm, args)
     text = "\n".join(lines)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    if args.write_page:
+        page.write(args.write_page, text, info)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

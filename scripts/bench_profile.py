@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 import jaxspec
-from benchkit import machine, output, tables, workloads
+from benchkit import machine, output, page, tables, workloads
 from benchkit import trace as trace_summary
 from jaxspec import SamplingParams, SpecConfig
 
@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=15, help="events listed per thread")
     p.add_argument("--threads", type=int, default=6, help="threads listed, busiest first")
     p.add_argument("--out", type=Path, default=Path("bench_out/profile"))
+    page.add_option(p, "profile")
     args = p.parse_args(argv)
     for name in ("prompts", "samples", "new_tokens", "top", "threads"):
         if getattr(args, name) < 1:
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
     report = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "run": line,
               "wall_ms": wall_ms, "steps": steps, "threads": threads}
     output.write(args.out, "bench_profile", report, "\n".join(text))
+    if args.write_page:
+        page.write(args.write_page, "\n".join(text), info, report)
     return 0
 
 

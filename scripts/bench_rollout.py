@@ -20,7 +20,7 @@ group_sam+refs/2@match.
 The speculation runs use the policy `--speculation` names: by default adaptive (speculate where the measured
 verify cost of the current batch is repaid by the measured acceptance); "always" measures drafting quality.
 Every run must produce the same samples as `generate` and as rollout-none (the table counts identical samples
-against each; on a GPU at XLA's default TF32 precision they can differ, see docs/BENCHMARKS.md). Reported:
+against each; on a GPU at XLA's default TF32 precision they can differ, see docs/how-to/rollouts.md). Reported:
 whole-rollout wall time and its ratio to rollout-none, the tail (from 90%
 of the samples finished to the last) and its ratio, acceptance overall and in the tail, tokens/s; and the
 ceiling: the share of next tokens that the 4-token context before them, seen earlier in the sample's own text
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 import jaxspec
-from benchkit import machine, output, plots, tables, workloads
+from benchkit import machine, output, page, plots, tables, workloads
 from benchkit.cli import floats
 from benchkit.timing import interleave
 from jaxspec import SamplingParams, SpecConfig
@@ -126,6 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("--speculation", default="adaptive", choices=("adaptive", "always", "off"),
                         help="the rollouts' speculation policy (always: measure drafting quality where it loses)")
     parser.add_argument("--out", default="results/rollout")
+    page.add_option(parser, "rollout")
     args = parser.parse_args(argv)
 
     lm = jaxspec.load_model()
@@ -198,6 +199,8 @@ def main(argv=None) -> int:
                       if m != "generate"))
         _plot(samples, temperature, out_dir)
     output.write(out_dir, "bench_rollout", report, "\n".join(sections))
+    if args.write_page:
+        page.write(args.write_page, "\n".join(sections), info, {k: v for k, v in report.items() if k != "machine"})
     total = args.prompts * args.samples
     differ = [m for m, e in ((m, report["temperatures"][t][m]) for t in report["temperatures"] for m in methods)
               if any(n is not None and n != total for n in (e["identical"], e["identical_to_none"]))]

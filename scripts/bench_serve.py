@@ -32,6 +32,7 @@ the outputs are identical in every mode (speculative decoding is lossless), so e
     python scripts/bench_serve.py                                  # off, fixed, adaptive at c = 1, 4, 16, 64
     python scripts/bench_serve.py --concurrency 1,4 --max-tokens 32 --modes off,adaptive     # quicker
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --label mine                   # a running server
+    python scripts/bench_serve.py --engine [ARGS]    # the engine alone, in process (benchkit/serve/engine.py)
 
 Outputs in --out-dir (default bench_out/): bench_serve.json (settings and every raw number), bench_serve.md
 (the tables, also printed), bench_serve.png (throughput, per-token latency and TTFT against concurrency;
@@ -47,7 +48,7 @@ import signal
 import sys
 from pathlib import Path
 
-from benchkit import machine, workloads
+from benchkit import machine, page, workloads
 from benchkit.serve.report import markdown_report, ratio_rows, target_checks, write_outputs
 from benchkit.serve.sweep import benchmark, requests_for_level, warmup_prompt_indices
 from jaxspec.methods import names
@@ -72,6 +73,9 @@ def _mode_list(text: str) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", action="store_true",
+                   help="benchmark the engine alone, in process, instead: the other arguments go to it "
+                        "(bench_serve.py --engine --help)")
     g = p.add_argument_group("load")
     g.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64],
                    help="comma-separated concurrency levels: requests kept in flight (default: 1,4,16,64)")
@@ -143,6 +147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--out-dir", default="bench_out",
                    help="where bench_serve.json, .md, .png and server logs go (default: %(default)s)")
     g.add_argument("--no-plot", dest="plot", action="store_false", help="do not write bench_serve.png")
+    page.add_option(g, "serve")
     g.add_argument("--high-concurrency", type=int, default=16,
                    help="levels at or above this count as high load for the adaptive >= off check "
                         "(default: %(default)s)")
@@ -163,6 +168,11 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--engine" in argv:  # before parsing: the engine benchmark has options of its own
+        from benchkit.serve import engine
+
+        return engine.main([a for a in argv if a != "--engine"])
     args = parse_args(argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     machine_info = machine.info(device=False)  # the servers started here own the accelerator
@@ -188,6 +198,8 @@ def main(argv=None) -> int:
     print()
     print(markdown)
     write_outputs(args, machine_info, targets, levels, ratios, checks, warmup, markdown)
+    if args.write_page:
+        page.write(args.write_page, markdown, machine_info, {"ratios": ratios, "targets": checks})
     failed = [t for t in targets if t.failed]
     errors = sum(lv.errors for lv in levels)
     if failed:

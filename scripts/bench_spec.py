@@ -50,7 +50,7 @@ import jax
 import numpy as np
 
 import jaxspec
-from benchkit import machine, workloads
+from benchkit import machine, page, workloads
 from benchkit.cli import floats, ints
 from benchkit.spec.checks import compare_with_none, describe_greedy_none, evaluate_targets
 from benchkit.spec.configs import (
@@ -125,6 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="JAX's persistent compilation cache (a few MB): a rerun skips the compiles of unchanged "
                         "programs; empty to switch it off (default: %(default)s)")
     parser.add_argument("--out", default="bench_out/bench_spec.json", help="(default: %(default)s)")
+    page.add_option(parser, "spec")
     args = parser.parse_args(argv)
     for m in (m for m in args.methods.split(",") if m):
         if m not in RUNNABLE:
@@ -233,6 +234,8 @@ def main(argv=None) -> int:
     md.write_text(text)
     out_json.write_text(json.dumps(public(report), indent=2, default=str))
     print(f"JSON: {out_json}\nmarkdown: {md}" + (f"\nplot: {png}" if plotted else ""))
+    if args.write_page:
+        page.write(args.write_page, text, report, public(report))
     return 0
 
 

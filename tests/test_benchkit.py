@@ -16,12 +16,20 @@ SCRIPTS = REPO / "scripts"
 # test. Appended, so nothing in scripts/ can shadow an installed module for the rest of the session.
 sys.path.append(str(SCRIPTS))
 
-from benchkit import cli, machine, tables, timing, trace, workloads  # noqa: E402
+from benchkit import cli, machine, page, tables, timing, trace, workloads  # noqa: E402
 from benchkit.acceptance import pooled_acceptance_length  # noqa: E402
 
-# Each benchmark script and the demo, and bench.py's two pass-throughs to other scripts.
+# Each benchmark script and the demo, bench.py's two pass-throughs to other scripts, and the modes that run
+# benchkit modules (bench_kernel's verify-cost and mesh, bench_serve's --engine).
 HELP_COMMANDS = {p.name: [p.name] for p in sorted(SCRIPTS.glob("bench*.py"))} | {
-    "demo.py": ["demo.py"], "bench.py --spec": ["bench.py", "--spec"], "bench.py --heads": ["bench.py", "--heads"]}
+    "demo.py": ["demo.py"], "bench.py --spec": ["bench.py", "--spec"], "bench.py --heads": ["bench.py", "--heads"],
+    "bench_kernel.py verify-cost": ["bench_kernel.py", "verify-cost"],
+    "bench_kernel.py mesh": ["bench_kernel.py", "mesh"],
+    "bench_serve.py --engine": ["bench_serve.py", "--engine"]}
+# The benchmarks a user runs: a short list on purpose (a one-question experiment becomes an option of one of
+# these, or its conclusion goes into the docs).
+ENTRY_POINTS = {"bench.py", "bench_spec.py", "bench_heads.py", "bench_serve.py", "bench_rollout.py",
+                "bench_outputs.py", "bench_kernel.py", "bench_profile.py"}
 
 
 # ------------------------------------------------------------------------------------------------ cli
@@ -34,41 +42,6 @@ def test_comma_lists_parse_as_option_types():
     assert bench_kernel.parse_args(["--batches", "2,4"]).batches == [2, 4]
     with pytest.raises(SystemExit):  # argparse names the option and exits
         bench_kernel.parse_args(["--batches", "one"])
-
-
-def test_lookup_rules_replay_prices_a_rule_on_a_known_text():
-    """bench_lookup_rules replays a greedy text: with no drafts every token is a plain step; on a text that repeats
-    its prompt, drafts are accepted, steps fall and the cost follows the widths the drafts needed."""
-    import bench_lookup_rules as lr
-
-    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
-    out = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6]  # the target's greedy text repeats the prompt
-    replay = lr.Replay([prompt], [out], capacity=32)
-    costs = lr.parse_costs("1:1.0,5:1.2,9:1.4,17:1.6")
-    assert replay.price(0, 99, 2.0, (1, 9, 17), costs) == (9, 9.0, 9)  # min_match never reached: plain steps
-    tokens, cost, steps = replay.price(0, 1, math.inf, (1, 5, 9, 17), costs)
-    assert tokens == 9 and steps < 9 and cost < 9.0
-    # after the first token (5 matched once), the rest of the prompt is drafted and accepted in one step
-    assert replay.draft(0, 1)[1] >= 1 and list(replay.draft(0, 1)[0][:7]) == prompt[1:]
-
-
-def test_lookup_rules_replay_prices_the_corpus_beside_the_row_text():
-    """With a static corpus that holds the target's text, the corpus drafts where the row's own text has no match,
-    and a corpus threshold above every match turns it off again."""
-    import bench_lookup_rules as lr
-    from jaxspec import StaticSuffixAutomaton
-
-    prompt = [3, 4]
-    out = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]  # never repeats itself
-    corpus = StaticSuffixAutomaton.build([[7, 7], [3, 4, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]], separator=1)
-    replay = lr.Replay([prompt], [out], capacity=32, static_sam=corpus)
-    costs = lr.parse_costs("1:1.0,3:1.1,5:1.2,9:1.4,17:1.6")
-    rule = (1, math.inf, (1, 3, 5, 9, 17), costs)
-    assert replay.price(0, *rule) == (9, 9.0, 9)  # the row's own text alone: nothing to draft
-    tokens, cost, steps = replay.price(0, *rule, static_min_match=1)
-    assert tokens == 9 and steps == 1 and cost == 1.6  # the corpus continues "3 4 20" to the end: one width-17 step
-    assert replay.draft(0, 1, corpus=True)[1] == 3  # matched "3 4 20"
-    assert replay.price(0, *rule, static_min_match=99) == (9, 9.0, 9)
 
 
 # ------------------------------------------------------------------------------------------------ tables
@@ -103,6 +76,65 @@ def test_fmt_marks_what_was_not_measured():
     assert tables.fmt(7, "d") == "7"
     for missing in (None, float("nan"), float("inf")):
         assert tables.fmt(missing) == "-"
+
+
+# ------------------------------------------------------------------------------------------------ page
+
+MACHINE = {"machine": "x86_64, 2 cores", "cpu": "Some CPU", "jax": "0.10.2", "flax": "0.12.8",
+           "date": "2026-11-23 10:00"}
+
+
+def test_page_block_has_markers_machine_command_and_demoted_headings():
+    text = ("x86_64, 2 cores (Some CPU), jax 0.10.2, flax 0.12.8, 2026-11-23 10:00\n"
+            "## T = 0.7\nrows:\n| a |\n|---|\n| 1 |\n")
+    got = page.block("rollout", text, MACHINE, "python scripts/bench_rollout.py --prompts 2")
+    assert got == ("<!-- bench:rollout -->\n"
+                   "Measured on x86_64, 2 cores (Some CPU), jax 0.10.2, flax 0.12.8, 2026-11-23 10:00:\n\n"
+                   "```\npython scripts/bench_rollout.py --prompts 2\n```\n\n"
+                   "**T = 0.7**\nrows:\n\n| a |\n|---|\n| 1 |\n"
+                   "<!-- /bench:rollout -->")
+
+
+def test_page_replace_keeps_the_rest_and_appends_a_missing_block():
+    doc = ("# B\n\nintro\n\n<!-- bench:a -->\nold a\n<!-- /bench:a -->\n\ntext\n\n"
+           "<!-- bench:ab -->\nab\n<!-- /bench:ab -->\n")
+    new = page.replace(doc, "a", "<!-- bench:a -->\nnew a\n<!-- /bench:a -->")
+    assert new == doc.replace("old a", "new a")  # block "ab" is another block, untouched
+    assert page.replace(new, "a", "<!-- bench:a -->\nnew a\n<!-- /bench:a -->") == new  # rerunning: the same page
+    added = page.replace(doc, "c", "<!-- bench:c -->\nc\n<!-- /bench:c -->")
+    assert added == doc + "\n<!-- bench:c -->\nc\n<!-- /bench:c -->\n"
+
+
+def test_page_write_replaces_the_block_and_writes_the_json(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# B\n\n<!-- bench:plain -->\nnot generated yet\n<!-- /bench:plain -->\n\nafter\n")
+    out = page.write("plain", "| x |\n|---|\n| 2 |", MACHINE, {"x": 2}, argv=["scripts/bench.py", "--batches", "1,8"],
+                     page=doc, json_dir=tmp_path / "json")
+    written = doc.read_text()
+    assert "not generated yet" not in written and written.endswith("<!-- /bench:plain -->\n\nafter\n")
+    assert "```\npython scripts/bench.py --batches 1,8\n```" in written and "| 2 |" in written
+    import json
+
+    assert json.loads(out.read_text()) == {"name": "plain", "command": "python scripts/bench.py --batches 1,8",
+                                           "machine": MACHINE, "markdown": "| x |\n|---|\n| 2 |", "report": {"x": 2}}
+    assert page.command_line([str(SCRIPTS / "bench.py"), "--peers"]) == "python scripts/bench.py --peers"
+
+
+def test_page_tee_prints_and_keeps(capsys):
+    with page.Tee() as printed:
+        print("| a |")
+        print("| 1 |")
+    assert printed.text == "| a |\n| 1 |\n" and capsys.readouterr().out == printed.text
+
+
+def test_the_page_names_a_block_for_every_benchmark():
+    """docs/benchmarks.md has a block for each kept benchmark, and `make bench` writes the page's blocks."""
+    text = page.PAGE.read_text()
+    for name in ("plain", "spec", "heads", "serve", "rollout", "outputs-json", "outputs-edits", "kernel-attention",
+                 "kernel-verify-cost", "profile"):
+        assert f"<!-- bench:{name} -->" in text and f"<!-- /bench:{name} -->" in text, name
+    assert {p.name for p in SCRIPTS.glob("bench*.py")} == ENTRY_POINTS
+    assert (REPO / "Makefile").read_text().count("--write-page") >= len(ENTRY_POINTS)
 
 
 # ------------------------------------------------------------------------------------------------ timing

@@ -6,9 +6,12 @@
 - plots: matplotlib when it is installed (the [bench] extra), a note when it is not;
 - workloads: the prompts, one loader per workload (HumanEval free-form and held-out, extractive chat requests);
 - acceptance: mean acceptance length over several calls, from the stats objects' own definition;
-- peer_hf: the Hugging Face transformers peer.
+- peer_hf: the Hugging Face transformers peer;
+- page: docs/benchmarks.md's generated blocks (`--write-page`), and the reports' JSON in bench_out/;
+- trace: a jax.profiler trace summed by event (scripts/bench_profile.py);
+- verify_cost, mesh: `bench_kernel.py verify-cost` and `bench_kernel.py mesh`.
 
 The two largest benchmarks keep their pieces in subpackages: spec/ (scripts/bench_spec.py) and serve/
-(scripts/bench_serve.py). The scripts run as `python scripts/bench_x.py`, so Python puts scripts/ on sys.path
-and `import benchkit` finds this package.
+(scripts/bench_serve.py; serve/engine.py is `bench_serve.py --engine`). The scripts run as
+`python scripts/bench_x.py`, so Python puts scripts/ on sys.path and `import benchkit` finds this package.
 """

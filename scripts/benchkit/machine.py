@@ -1,4 +1,4 @@
-"""Where and when a benchmark ran: the header of every report (docs/BENCHMARKS.md gives machine and date)."""
+"""Where and when a benchmark ran: the header of every report (docs/benchmarks.md gives it for every block)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Markdown tables as the reports print them (and docs/BENCHMARKS.md quotes them), and number formatting.
+"""Markdown tables as the reports print them (and docs/benchmarks.md holds them), and number formatting.
 
 `head` and `row` are separate so a long benchmark can print each row as soon as it is measured.
 """

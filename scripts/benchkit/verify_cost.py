@@ -1,5 +1,4 @@
-#!/usr/bin/env python
-"""What verification costs with XLA's matmul and with the CPU matmul kernel (jaxspec.kernels.cpu), side by side.
+"""What verification costs with XLA's matmul and with the CPU matmul kernel: `bench_kernel.py verify-cost`.
 
 Speculative decoding verifies T = K + 1 tokens per row in one forward. Decode reads every weight once per
 forward, so a forward over a few tokens should cost about what a one-token forward costs; with XLA:CPU's GEMM
@@ -17,9 +16,9 @@ it costs several (docs/cpu-performance.md). Two measurements, each path's calls 
 Medians over `--repeats` interleaved rounds (each round visits every configuration, every other round in
 reverse order); the load average is printed before and after each table, as this machine is often shared.
 
-    python scripts/bench_verify_cost.py                       # both parts, batch 1 and 8 (~15 min on 2 cores)
-    python scripts/bench_verify_cost.py --skip-model          # the microbenchmark alone (~1 min)
-    python scripts/bench_verify_cost.py --skip-micro --batch1-ts 1,2,4,8,16 --batch8-ts 1,9
+    python scripts/bench_kernel.py verify-cost                       # both parts, batch 1 and 8 (~15 min on 2 cores)
+    python scripts/bench_kernel.py verify-cost --skip-model          # the microbenchmark alone (~1 min)
+    python scripts/bench_kernel.py verify-cost --skip-micro --batch1-ts 1,2,4,8,16 --batch8-ts 1,9
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 import jaxspec
-from benchkit import machine, tables
+from benchkit import machine, page, tables
 from benchkit.cli import ints
 from benchkit.timing import interleave, timer
 from jaxspec.kernels import cpu as cpu_kernels
@@ -183,7 +182,8 @@ def model_table(lm, batch: int, ts: list[int], impls: list[str], args) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="bench_kernel.py verify-cost", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro-ts", type=ints, default=ints("1,2,4,8,16,32"),
                         help="columns T of the microbenchmark (default: 1,2,4,8,16,32)")
     parser.add_argument("--micro-repeats", type=int, default=30, help="(default: %(default)s)")
@@ -201,6 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--skip-model", action="store_true")
+    page.add_option(parser, "kernel-verify-cost")
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     for impl in impls:
@@ -208,6 +209,14 @@ def main(argv=None) -> int:
             parser.error(f"--impls: {impl!r} is not one of {cpu_kernels.IMPLS}")
     jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
 
+    with page.Tee() as printed:
+        run(args, impls)
+    if args.write_page:
+        page.write(args.write_page, printed.text, machine.info())
+    return 0
+
+
+def run(args, impls: list[str]) -> None:
     kernel = cpu_kernels.available()
     print(f"# Verify cost, XLA matmul vs the CPU matmul kernel: {machine.line(machine.info())}")
     if kernel:
@@ -226,8 +235,3 @@ def main(argv=None) -> int:
         for batch, ts in ((1, args.batch1_ts), (8, args.batch8_ts)):
             if ts:
                 model_table(lm, batch, ts, impls, args)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

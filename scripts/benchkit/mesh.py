@@ -1,5 +1,4 @@
-#!/usr/bin/env python
-"""The default model on device meshes: per-step decode time and memory per device against mesh shape, and a paper
+"""`bench_kernel.py mesh`: the default model on device meshes (decode time, memory per device), and a paper
 estimate of the collectives a tensor-parallel step needs on accelerators.
 
 measure: SmolLM2-135M on forced host devices (`--devices`, default 8, set before jax starts): batch `--batch`
@@ -15,9 +14,9 @@ estimate: the bytes and messages a decode or verify step of a Llama-3-8B-shaped 
   (Megatron: two all-reduces per layer, one for the vocabulary-parallel embedding, one gather of the logits),
   against the time its weights take to stream, from the formulas printed with the table.
 
-    python scripts/bench_spmd.py measure --devices 8 --batch 8 --new-tokens 48
-    python scripts/bench_spmd.py layout --against 3b547f1
-    python scripts/bench_spmd.py estimate
+    python scripts/bench_kernel.py mesh measure --devices 8 --batch 8 --new-tokens 48
+    python scripts/bench_kernel.py mesh layout --against 3b547f1
+    python scripts/bench_kernel.py mesh estimate
 """
 
 from __future__ import annotations
@@ -26,13 +25,16 @@ import argparse
 import os
 import sys
 
+from benchkit import machine, page
 
-def _set_devices(argv: list[str]) -> None:
-    """Force the host device count before jax is imported (it reads XLA_FLAGS once)."""
-    if "--devices" in argv:
-        n = argv[argv.index("--devices") + 1]
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+def _set_devices(count: int) -> None:
+    """Force `count` host devices (and the CPU platform unless JAX_PLATFORMS names one) before jax's backend starts:
+    bench_kernel.py has imported jax by now, but no backend runs until a device is asked for."""
+    import jax
+
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
 
 
 # Mesh shapes (data, model) measured on 8 devices, and whether the model axis splits attention heads.
@@ -53,7 +55,7 @@ def measure(args) -> None:
     import jax
 
     import jaxspec
-    from benchkit import machine, tables, workloads
+    from benchkit import tables, workloads
     from jaxspec.sharding import ShardingRules, make_mesh, use_rules
 
     print(machine.line(machine.info()), f"| {len(jax.devices())} forced host devices", flush=True)
@@ -143,7 +145,7 @@ def layout(args) -> None:
     from flax import nnx
 
     import jaxspec
-    from benchkit import machine, tables, workloads
+    from benchkit import tables, workloads
 
     source = subprocess.run(["git", "show", f"{args.against}:models/llama.py"], capture_output=True, text=True,
                             check=True).stdout
@@ -182,9 +184,9 @@ def layout(args) -> None:
                           rows))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="bench_kernel.py mesh", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     m = sub.add_parser("measure", help="per-step time and memory per device against mesh shape")
     m.add_argument("--devices", type=int, default=8, help="forced host devices (set before jax starts)")
@@ -196,17 +198,13 @@ def main(argv: list[str] | None = None) -> None:
     la.add_argument("--against", default="3b547f1", help="git revision (default: before the SPMD layout)")
     la.add_argument("--new-tokens", type=int, default=64)
     la.add_argument("--repeats", type=int, default=5)
+    for sub_parser in (m, e, la):
+        page.add_option(sub_parser, f"kernel-mesh-{sub_parser.prog.split()[-1]}")
     args = parser.parse_args(argv)
-    if args.what == "layout":
-        layout(args)
-    elif args.what == "measure":
-        if "--devices" not in argv:
-            argv = [*argv, "--devices", str(args.devices)]
-        _set_devices(argv)
-        measure(args)
-    else:
-        estimate(args)
-
-
-if __name__ == "__main__":
-    main()
+    if args.what == "measure":
+        _set_devices(args.devices)
+    with page.Tee() as printed:
+        {"layout": layout, "measure": measure, "estimate": estimate}[args.what](args)
+    if args.write_page:
+        page.write(args.write_page, printed.text, machine.info(device=args.what != "estimate"))
+    return 0

@@ -1,5 +1,4 @@
-#!/usr/bin/env python
-"""The serving engine under a queue, in process (no HTTP, no client): speculation policies side by side.
+"""The serving engine under a queue, in process (no HTTP, no client): `python scripts/bench_serve.py --engine`.
 
 bench_serve.py measures the whole server, where the load generator shares the cores with the server and
 chunk times also carry streaming and HTTP work. This isolates the engine: each policy gets its own `Engine`
@@ -8,8 +7,8 @@ prompts at once to each engine in turn (the order alternating between repeats) a
 request finishes. Reported per level: tokens/s, the median seconds of a chunk with every slot busy (the
 device work per chunk), and how many chunks drafted (max cap > 0).
 
-    python scripts/bench_engine.py                                  # off vs adaptive, 48 requests x 96 tokens
-    python scripts/bench_engine.py --policies off,fixed,adaptive --requests 64 --max-tokens 128 --repeats 2
+    python scripts/bench_serve.py --engine                                  # off vs adaptive, 48 requests x 96 tokens
+    python scripts/bench_serve.py --engine --policies off,fixed,adaptive --requests 64 --max-tokens 128 --repeats 2
 
 With --prefill-batches it measures admission instead: one engine per `max_prefill_batch` value (the same
 model, settings and policy otherwise), and each repeat gives every engine in turn the same burst of N
@@ -20,7 +19,7 @@ those the calls ran (padding to a prompt bucket and a batch size included), time
 (TTFT: from the burst's arrival to each request's first token) mean, median and max, and the total time
 until the last request finished; then the means over repeats, and whether every engine gave the same tokens.
 
-    python scripts/bench_engine.py --prefill-batches 1,8            # 8 requests x 32 tokens, 3 repeats
+    python scripts/bench_serve.py --engine --prefill-batches 1,8            # 8 requests x 32 tokens, 3 repeats
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import time
 import jax
 
 import jaxspec
-from benchkit import machine, tables, workloads
+from benchkit import machine, page, tables, workloads
 from benchkit.cli import ints
 from benchkit.timing import clocked, rounds
 from jaxspec.engine import Engine, EngineConfig, Request
@@ -196,8 +195,9 @@ def burst_main(args, lm, prompts) -> None:
         b.engine.shutdown()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="bench_serve.py --engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default="off,adaptive",
                    help="policies, the first is the baseline (default: %(default)s)")
     p.add_argument("--method", default="sam", help="the engine's speculation method (default: %(default)s)")
@@ -214,7 +214,17 @@ def main() -> None:
     p.add_argument("--policy", default="adaptive", help="the policy with --prefill-batches (default: %(default)s)")
     p.add_argument("--max-slots", type=int, default=8, help="engine slots (default: %(default)s)")
     p.add_argument("--cache-len", type=int, default=1024, help="KV slots per row (default: %(default)s)")
-    args = p.parse_args()
+    page.add_option(p, "serve-engine")
+    args = p.parse_args(argv)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
+    with page.Tee() as printed:
+        run(args)
+    if args.write_page:
+        page.write(args.write_page, printed.text, machine.info(), vars(args))
+    return 0
+
+
+def run(args) -> None:
 
     lm = jaxspec.load_model("smollm2-135m")
     prompts = workloads.free_form_prompts(lm.tokenizer)
@@ -247,8 +257,3 @@ def main() -> None:
         print(f"{name}/{base} per repeat: {', '.join(f'{x:.3f}' for x in ratios)}; mean {statistics.mean(ratios):.3f}")
     for level in levels.values():
         level.engine.shutdown()
-
-
-if __name__ == "__main__":
-    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
-    main()
