@@ -111,13 +111,13 @@ class AdaptivePolicy:
     """The default: speculate at low load, K halving as load doubles, off where it measured slower than plain."""
 
     # Speculate only while at most this many requests are in flight. A threshold of 8 is a common choice on
-    # accelerators; here a verify step over 8 rows costs 2.7x a plain one already at width 9 (docs/BENCHMARKS.md
+    # accelerators; here a verify step over 8 rows costs 2.7x a plain one already at width 9 (2-core CPU,
     # c(T)), and always-on speculation at 8 busy rows served 0.72x of plain decoding (bench_serve.py), so 4.
     max_active: int = 4
     full_k_active: int = 1  # up to this many active rows draft the full K; K halves as the count doubles
     # Chunk rates vary with the text (how much it repeats) as much as with the step cost, so the guard acts
     # only on clear evidence: several chunks of each kind, and a loss beyond `margin`. The losses it is for,
-    # wide verification at large batches, are 2-3x (docs/BENCHMARKS.md).
+    # wide verification at large batches, are 2-3x.
     min_chunks: int = 6  # chunks of each kind measured before the rates are compared
     # Speculation goes off when it measures this fraction slower than plain decoding with one active row;
     # margin / sqrt(active) with more: the text's burstiness (a stretch that repeats commits many drafts, one

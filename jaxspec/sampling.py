@@ -230,7 +230,7 @@ def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     is cost: `jax.random.categorical` draws Gumbel noise, a threefry draw and two logarithms for every token of
     the vocabulary. On a 2-core AVX2 CPU, inside a jitted loop as the decode loop runs it, that took 10.6 ms
     over [8, 49152] logits (a sampled decode step at 8 rows: a sixth of the step) and 82 ms over [8, 9, 49152]
-    (verifying 8 drafts: more than a plain step); this takes 0.8 and 4.6 ms (`scripts/bench_sampling.py`): one
+    (verifying 8 drafts: more than a plain step); this takes 0.8 and 4.6 ms (2-core CPU): one
     exponential per token, block sums and two short running sums.
     """
     if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):

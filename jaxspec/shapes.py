@@ -60,7 +60,7 @@ FORCED_TEXT_WIDTHS = (3, 5)
 
 # Verify widths offered beside a chain method's own where each step's width is chosen by measured cost (by
 # default, batches of several rows): at 8 rows a forward over 2 new tokens per row costs about one plain step on a
-# 2-core CPU, over 3 and 5 1.3-1.9, against 2.5-2.8 over 9 (docs/BENCHMARKS.md), so a step where a few rows draft
+# 2-core CPU, over 3 and 5 1.3-1.9, against 2.5-2.8 over 9, so a step where a few rows draft
 # can still score their first drafts cheaply. The table decides which of them a step runs.
 COST_CHOICE_WIDTHS = (2, 3, 5)
 # ... and beside a tree method's (whose nodes come best first, so a narrower width scores the best smaller tree):

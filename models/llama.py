@@ -4,7 +4,7 @@ One forward path serves prefill, single-token decode and verification: T new tok
 positions, their K/V written into a preallocated cache at per-row lengths, an optional mask among the new
 tokens (causal by default, a tree's ancestor mask for tree verification). It returns logits and hidden states.
 
-Layout choices that decide speed on XLA:CPU (see docs/cpu-performance.md and docs/BENCHMARKS.md): layers are separate
+Layout choices that decide speed on XLA:CPU (see docs/cpu-performance.md): layers are separate
 modules (their weights separate arrays, the layer loop unrolled in the trace); q/k/v and gate/up are fused
 into one wider matmul each; weights are [out, in] and the residual stream is feature-major [D, B*T], so each
 projection is W @ xt (measured 1.3x faster than x @ W at 8 rows); attention contracts the G query heads and

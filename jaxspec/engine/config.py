@@ -32,7 +32,7 @@ class EngineConfig:
     # The most waiting requests admitted by one prefill call; 1: one at a time. None: 8 on accelerators, 1 on
     # CPU, where a prefill costs the same per token at any batch size and padding prompts to the longest one's
     # bucket adds tokens, so batching made the mean time to first token worse (0.74 s -> 1.74 s for a burst
-    # of 8 requests, scripts/bench_engine.py --prefill-batches 1,8, docs/BENCHMARKS.md).
+    # of 8 requests, scripts/bench_serve.py --engine --prefill-batches 1,8).
     max_prefill_batch: int | None = None
     # Predicted outputs: the longest prediction (in tokens) a request may carry; 0 serves none. With it, every
     # row drafts up to spec.prediction_tokens tokens a step from its prediction (`jaxspec.predicted`), and the
@@ -92,7 +92,7 @@ class EngineConfig:
             raise ValueError(f"cache_len={self.cache_len!r} is too small for K={k}")
         if self.slot_buckets is None:
             # XLA:CPU runs forwards over 2-7 rows slower than over 8 (docs/cpu-performance.md,
-            # docs/BENCHMARKS.md): batch 1 or a multiple of 8.
+            # scripts/bench_kernel.py verify-cost): batch 1 or a multiple of 8.
             buckets = {1, self.max_slots} | set(range(8, self.max_slots, 8))
             object.__setattr__(self, "slot_buckets", tuple(sorted(buckets)))
         buckets = tuple(sorted(set(self.slot_buckets)))

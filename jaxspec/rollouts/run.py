@@ -256,10 +256,10 @@ class _Rollout:
             started, compiled = time.perf_counter(), cost.compile_seconds()
             steps_before = self.chunks[-1].end_step if self.chunks else 0
             # A chunk that drafts nothing compiles width 1 alone: a `lax.switch` over the verify widths costs a
-            # third of a plain step at batch 32 on XLA:CPU (docs/BENCHMARKS.md).
+            # third of a plain step at batch 32 on XLA:CPU.
             if not cap and self.sits_out:
                 # rollout-none's program: carrying the group indexes and K-wide draft arrays through the loop
-                # cost 4% a step at 64 rows (docs/BENCHMARKS.md); the state rejoins after the chunk.
+                # cost 4% a step at 64 rows; the state rejoins after the chunk.
                 held = state.pstate
                 state = decode_chunk(lm.graphdef, self.params, state.replace(pstate=()), sampling, limits, None,
                                      proposer=NoProposer(), widths=(1,), attention_impl=self.attention_impl,

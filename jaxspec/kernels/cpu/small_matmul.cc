@@ -227,7 +227,7 @@ enum Form : int64_t { kFormAuto = 0, kFormDot = 1, kFormBroadcast = 2 };
 
 // From this many columns on, the AVX-512 broadcast form is faster than the dot form: on thirty [1536, 576]
 // products the two tied at 12 columns, dot won below (4.5 against 5.6 ms at 8), broadcast above (5.6 against
-// 6.8 ms at 16); scripts/bench_verify_cost.py prints both forms.
+// 6.8 ms at 16); scripts/bench_kernel.py verify-cost prints both forms.
 constexpr int64_t kBroadcastFromColumns = 12;
 // The same for the AVX2 path (timed on an AVX2-only AMD EPYC): the broadcast form won from 8 columns.
 constexpr int64_t kAvx2BroadcastFromColumns = 8;
