@@ -79,6 +79,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most likely tokens a request may ask for per position (completions `logprobs`, chat "
                         "`top_logprobs`); -1 turns log-probabilities off (default: %(default)s)")
+    p.add_argument("--constraint-states", type=int, default=4096,
+                   help="structured output: automaton states the batch's constraints may hold together; a "
+                        "`response_format` needing more alone gets HTTP 400 (default: %(default)s)")
+    p.add_argument("--constraint-edges", type=int, default=1 << 22,
+                   help="structured output: (state, token) edges the batch's constraints may hold together "
+                        "(default: %(default)s, enough for `json_object` over a 49k vocabulary)")
+    p.add_argument("--constraint-time-s", type=float, default=30.0,
+                   help="structured output: seconds one constraint may take to compile, in its worker process; "
+                        "longer ones get HTTP 400 (default: %(default)s)")
+    p.add_argument("--constraint-memory-mib", type=int, default=2048,
+                   help="structured output: memory one constraint's compile may use, in MiB (default: %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted, in bytes; larger ones get HTTP 413 (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true",
@@ -122,6 +133,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     import jaxspec
+    from jaxspec.constraints import ConstraintLimits
     from jaxspec.engine import SHARED_BATCH_METHODS, Engine, EngineConfig
     from jaxspec.policy import make_policy
     from jaxspec.serving import create_app
@@ -137,7 +149,10 @@ def main(argv=None) -> int:
                               chunk_steps=args.chunk_steps, max_waiting=args.max_waiting, slot_buckets=buckets,
                               max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
                               max_prediction_len=(default_prediction_len(methods, args.cache_len)
-                                                  if args.max_prediction_len is None else args.max_prediction_len))
+                                                  if args.max_prediction_len is None else args.max_prediction_len),
+                              constraint_states=args.constraint_states, constraint_edges=args.constraint_edges,
+                              constraint_limits=ConstraintLimits(time_s=args.constraint_time_s,
+                                                                 memory_bytes=args.constraint_memory_mib << 20))
         policy = make_policy(args.policy, max_active=args.spec_max_active)
         lm = jaxspec.load_model(args.model)
         if args.mesh is not None:
