@@ -279,10 +279,10 @@ class SpecConfig:
     # the model), "both" (the longer match drafts), or "auto" (the default): "both" where `static_sam` is given,
     # else "dynamic", on every platform (`jaxspec.methods.sam_source_for`). The shipped corpus is the model's own
     # completions of HumanEval's training split: an opt-in ("static" or "both") that pays on prompts like those
-    # (on a 2-core CPU, 1.72x -> 1.79x plain decoding's speed on held-out HumanEval code at one row, 1.53x -> 1.87x
-    # on chat) and cost 3-8% at one row on code far from it; `jaxspec corpus` writes one from
-    # a user's own prompts or documents (docs/how-to/sam-corpus.md). Its matching walks suffix links in
-    # data-dependent loops, a kernel launch per iteration on a GPU, where it has not been measured.
+    # (held-out HumanEval code and chat about it) and costs a few percent on code far from it (docs/benchmarks.md
+    # has the figures); `jaxspec corpus` writes one from a user's own prompts or documents
+    # (docs/how-to/sam-corpus.md). Its matching walks suffix links in data-dependent loops, a kernel launch per
+    # iteration on a GPU, where it has not been measured.
     sam_source: SamSource = "auto"
     # How the dynamic source finds the longest earlier occurrence of a row's suffix: "automaton" (a suffix
     # automaton extended token by token in data-dependent loops), "match" (a match-length array updated by
@@ -300,14 +300,14 @@ class SpecConfig:
     # Chains: choose each step's verify width from the measured cost of each width and each row's running
     # acceptance (jaxspec.cost), instead of the narrowest width holding the longest draft. Measured once per
     # shape and cached on disk. None (the default) is True for a batch of more than one row and False for one:
-    # at 8 rows one drafting row makes the whole batch pay a wide forward (c(9) ~ 2.7 plain steps on a 2-core
-    # CPU), which the narrowest-width rule took at 0.42-0.51x of plain decoding's speed and the cost-aware one
-    # declines; at one row the matched-length rule is tuned and drafts more. The first
-    # call of a shape pays for the measurement (45 s for SmolLM2 at 8 rows on a 2-core CPU: compiling and
-    # timing six widths' forwards); JAXSPEC_VERIFY_COST=off switches it off. EAGLE-2 and EAGLE-3 trees (drafted
-    # best node first) choose by cost at one row too: scoring only the nodes the cost repays ran 1.08-1.19x plain
-    # decoding's speed at one row against 0.93-1.10x for the whole 15-node tree. So does
-    # sam drafting from a corpus: at one row, 1.79x against 1.74x on code and 1.87x against 1.67x on chat.
+    # at 8 rows one drafting row makes the whole batch pay a wide forward (on XLA:CPU c(9) is several plain
+    # steps), which the narrowest-width rule pays for with a slowdown below plain decoding and the cost-aware one
+    # declines; at one row the matched-length rule is tuned and drafts more. The first call of a shape pays for
+    # the measurement (compiling and timing six widths' forwards: tens of seconds on a small CPU);
+    # JAXSPEC_VERIFY_COST=off switches it off. EAGLE-2 and EAGLE-3 trees (drafted best node first) choose by cost
+    # at one row too: scoring only the nodes the cost repays is faster than scoring the whole 15-node tree. So
+    # does sam drafting from a corpus, which then beats the narrowest-width rule on code and chat alike
+    # (docs/benchmarks.md has the figures).
     cost_aware: bool | None = None
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
     # medusa / eagle / eagle2 / eagle3: the trained head's file (jaxspec.models.heads.save_head); None takes the

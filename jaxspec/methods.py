@@ -101,8 +101,8 @@ def sam_source_for(lm: LanguageModel, spec) -> str:
 
     The corpus shipped for a model is an explicit opt-in (`sam_source="static"` or `"both"` without
     `static_sam`). It holds the model's completions of HumanEval's training split, so what it adds depends on how
-    close a user's prompts are to those: on held-out HumanEval prompts a 2-core CPU measured sam at 1.79x plain
-    decoding with it against 1.72x without, on code far from it 3-8% slower at one row.
+    close a user's prompts are to those: on held-out HumanEval prompts sam runs faster with it than without, on
+    code far from it a few percent slower at one row (docs/benchmarks.md has the figures).
     `jaxspec corpus` builds a corpus from the user's own prompts or documents (docs/how-to/sam-corpus.md)."""
     if spec.sam_source != "auto":
         return spec.sam_source
@@ -244,28 +244,26 @@ def _defaults(**settings) -> Mapping[str, Any]:
 # (cpu-performance.md): scoring T new tokens costs c(T) plain steps, so a draft pays only when its expected accepted run
 # beats c(T) - 1, and the matched suffix length predicts the run. Nothing is drafted below `min_match` tokens, at most
 # `draft_per_match` x the match length above it, and each step runs the narrowest verify width holding the batch's
-# longest draft (at one row; above one, the width the measured costs favour, `SpecConfig.cost_aware`). The rule was
-# first tuned on XLA's own forward, where 2-5 new tokens cost 3-4 plain steps and 9 about 1.3 (min_match 4, one draft
-# per matched token, widths 9 and 17). With the CPU matmul kernel (docs/cpu-performance.md) c(2) to c(17) run 0.96 to
-# 1.6, so short matches pay: replaying the target's greedy text on tuning prompts (docs/concepts/proposers.md) priced
-# rules, and a draft from a single matched token, two drafts per matched token, widths 1, 3, 5, 9, 17 came first
-# (modelled 2.04x plain decoding's speed against the old rule's 1.63x on code, 2.43x against 2.00x on chat). End to end
-# on held-out prompts it ran 1.99x against 1.61x on code and 1.54x against 1.35x on chat at one row, and 1.03x against
-# 0.96x and 1.07x against 1.03x at eight rows (widths by cost).
+# longest draft (at one row; above one, the width the measured costs favour, `SpecConfig.cost_aware`). On XLA's own
+# forward, where 2-5 new tokens cost several plain steps and 9 little more than one, only long matches pay (min_match
+# 4, one draft per matched token, widths 9 and 17). With the CPU matmul kernel (docs/cpu-performance.md) c(T) rises
+# slowly from about one plain step, so short matches pay: replaying the target's greedy text on tuning prompts
+# (docs/concepts/proposers.md) prices rules, and a draft from a single matched token, two drafts per matched token,
+# widths 1, 3, 5, 9, 17 comes first, modelled and end to end on held-out code and chat prompts, at one row and at eight
+# (widths by cost); docs/benchmarks.md has the figures.
 # Trained heads: K counts drafted tokens (eagle, a chain) or tree nodes (medusa, eagle2); 7 and 15 make verify widths 8
-# and 16, which XLA:CPU runs at 1.5-1.8 plain steps at batch 1. They draft over the 4096 most frequent tokens
-# (`draft_vocab`, FR-Spec): over the full 49152-wide LM head an EAGLE drafting pass costs 1.2-1.5 plain steps, over 4096
-# 0.23-0.27 (Medusa 0.25 -> 0.07), while greedy held-out acceptance keeps 98-100% (eagle2 2.53 -> 2.48, eagle 1.92 ->
-# 1.91, medusa 1.90), and tokens/s went from 0.61x to 1.07x of plain decoding's for eagle2 (eagle 0.64x -> 1.00x). 2048
-# drafts ~0.05 of a step cheaper but loses twice the acceptance and covers 85-89% of English and chat text against
-# 93-95%.
+# and 16, which XLA:CPU runs cheaply at batch 1 (its general matmul path is efficient again from about 8 rows). They
+# draft over the 4096 most frequent tokens (`draft_vocab`, FR-Spec): over the full 49152-wide LM head an EAGLE drafting
+# pass costs more than a plain step, over 4096 about a quarter of one, while greedy held-out acceptance keeps 98-100%
+# (eagle2 2.53 -> 2.48, eagle 1.92 -> 1.91, medusa 1.90), which turns the heads from slower than plain decoding to
+# faster. 2048 drafts are only slightly cheaper but lose twice the acceptance and cover 85-89% of English and chat text
+# against 93-95%.
 # EAGLE-2/3 draft their 15 nodes best first, and where costs are measured (by default) a step scores only the best
 # nodes its c(w) repays, at widths 3, 5 or 9 beside 16 (`SpecConfig.cost_aware`, shapes.TREE_COST_CHOICE_WIDTHS).
 # Their trees are 3 levels deep: each level is one more head forward in the drafting pass and widens the head's
-# update, and levels 4-6 add little that gets accepted. Tuned on six held-out prompts at one row (depth 2 lost more
-# acceptance than it saved); on eight others, depth 3 against 6 committed 2.41 against 2.51 tokens a step (eagle3,
-# greedy code) and ran 1.56x against 1.49x plain decoding's speed on code, 1.56x against 1.48x on chat, and
-# eagle2 1.24x against 1.12x at T = 0.8 on code (2-core CPU).
+# update, and levels 4-6 add little that gets accepted. At one row on held-out prompts, depth 2 loses more
+# acceptance than it saves, and depth 3 commits nearly as many tokens a step as depth 6 (eagle3, greedy code: 2.41
+# against 2.51) and runs faster, on code and chat, greedy and sampled (docs/benchmarks.md).
 _ALL = (
     Method("none", "plain", "plain decoding: no drafts", _build_none, served=True,
            defaults=_defaults(num_speculative_tokens=0, min_match=1, draft_per_match=math.inf, verify_widths=(1,))),

@@ -10,7 +10,7 @@ achieved.
 - `FixedPolicy`: the full K whatever the load.
 - `OffPolicy`: never speculate.
 - `AdaptivePolicy` (the default): speculate only while at most `max_active` requests are in flight (the
-  active rows plus the engine's queue; 4 on this CPU), halving K each time that load doubles,
+  active rows plus the engine's queue; 4 by default, chosen for XLA:CPU), halving K each time that load doubles,
   and switch speculation off in a batch size where it measured
   slower than plain decoding (tokens per second per active row over whole chunks, both kinds timed in the
   same server), trying it again after an interval that doubles each time the measurement confirms the loss.
@@ -111,8 +111,9 @@ class AdaptivePolicy:
     """The default: speculate at low load, K halving as load doubles, off where it measured slower than plain."""
 
     # Speculate only while at most this many requests are in flight. A threshold of 8 is a common choice on
-    # accelerators; here a verify step over 8 rows costs 2.7x a plain one already at width 9 (2-core CPU,
-    # c(T)), and always-on speculation at 8 busy rows served 0.72x of plain decoding (bench_serve.py), so 4.
+    # accelerators; on XLA:CPU a verify step over 8 rows costs several plain ones already at width 9 (c(T),
+    # docs/cpu-performance.md), and always-on speculation at 8 busy rows serves slower than plain decoding
+    # (scripts/bench_serve.py), so 4.
     max_active: int = 4
     full_k_active: int = 1  # up to this many active rows draft the full K; K halves as the count doubles
     # Chunk rates vary with the text (how much it repeats) as much as with the step cost, so the guard acts

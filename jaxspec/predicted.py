@@ -85,7 +85,7 @@ def wrap(proposer: Proposer, spec: SpecConfig, predictions: Predictions) -> Pred
                          f"method={spec.method!r} drafts from the target's features or a tree")
     k = max(spec.prediction_tokens, spec.num_speculative_tokens)
     # Re-synchronising on a 4-token match, not 2: in an unrelated prediction short n-grams of code ("    return")
-    # match by chance, and each false match costs a wide verify (measured: 0.84-1.02x of none with 2-grams).
+    # match by chance, and each false match costs a wide verify (with 2-grams it runs no faster than no prediction).
     return PredictionProposer(k, predictions.width, ngram=RESYNC_NGRAM, min_match=RESYNC_MIN_MATCH, inner=inner)
 
 

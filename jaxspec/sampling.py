@@ -53,9 +53,9 @@ def _top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
 
     Ranked from the `TOP_CANDIDATES` largest logits (`lax.top_k`), which decide it whenever top-k is at most
     that many, or there is no top-k and the top-p set ends within them; the mass of the whole vocabulary comes
-    from one pass. Otherwise (any row) the batch bisects for it (`_bisected_threshold`). Why: a sort of 49152
-    logits took 15 ms a row and position on a 2-core AVX2 CPU, top-k of 256 about 0.3 ms; and at temperature 1
-    with top-p 0.95, 7.6% of the default model's positions on code keep more than 256 tokens, so nearly every
+    from one pass. Otherwise (any row) the batch bisects for it (`_bisected_threshold`). Why: on XLA:CPU a sort of
+    49152 logits costs about fifty times a top-k of 256 (docs/cpu-performance.md); and at temperature 1 with
+    top-p 0.95, 7.6% of the default model's positions on code keep more than 256 tokens, so nearly every
     verification step over 8 rows has such a position.
     """
     vocab = z.shape[-1]
@@ -102,9 +102,10 @@ def _bisected_threshold(z: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Arr
     """f32[B, ..., 1] the smallest logit kept by top-k then top-p, found by bisecting over the float order rather
     than sorting: the k-th largest logit is the smallest key t with fewer than k logits above t, and the top-p
     set is every token whose top-k tokens above it hold less than top_p of the top-k mass (as ranking them would
-    give; ties with the last kept token are kept). 64 passes over the vocabulary: 0.9-1.9 ms a row and position
-    against a sort's 15 on the CPU above. Its masses are sums over the vocabulary rather than a float32 running
-    sum over 49152 ranked tokens, so where they differ at the boundary it agrees with a float64 ranking."""
+    give; ties with the last kept token are kept). 64 passes over the vocabulary, still several times cheaper
+    than a sort on XLA:CPU (docs/cpu-performance.md). Its masses are sums over the vocabulary rather than a
+    float32 running sum over 49152 ranked tokens, so where they differ at the boundary it agrees with a float64
+    ranking."""
     keys = _order_key(z)  # i32[B, ..., V]
     below_min = jnp.min(keys, axis=-1, keepdims=True) - 1
     top = jnp.max(keys, axis=-1, keepdims=True)
@@ -186,11 +187,11 @@ def argmax(logits: jax.Array) -> jax.Array:
 
     In two levels: the maximum of each block of logits (`VOCAB_BLOCKS`; one pass over the vocabulary, a plain
     reduction that vectorises), the first block holding the overall maximum, then the first index of it within
-    that block. A vocabulary that no block size divides, or a small one, is searched whole. Over [8, 9, 49152]
-    logits (a verify step at 8 rows) this took 1.5 ms on a 2-core AVX2 CPU, against 4.6 ms for a max then a min
-    over matching indices across the whole vocabulary and 4.3 ms for `jnp.argmax`; over [8, 17, 49152], 3.0 ms
-    against 36 and 12. On a GPU `jnp.argmax` is as fast or faster (an H100: equal up to [8, 17, 49152], 0.14
-    against 0.19 ms at [32, 17, 49152]), so there it is used; both give the same index.
+    that block. A vocabulary that no block size divides, or a small one, is searched whole. On XLA:CPU
+    `jnp.argmax` lowers to a (value, index) reduction that does not vectorise, and a max then a min over matching
+    indices is two passes over the whole vocabulary; at the shapes of verify steps both cost several times this
+    (docs/cpu-performance.md). On a GPU `jnp.argmax` is as fast or faster, so there it is used; both give the
+    same index.
     """
     if jax.default_backend() != "cpu":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -228,10 +229,10 @@ def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     `jax.random.categorical`, up to float32 rounding of the running sums (intervals move by about 1e-7 of the
     mass; Gumbel-max in float32 likewise never draws a token more than about 20 nats below the best). The reason
     is cost: `jax.random.categorical` draws Gumbel noise, a threefry draw and two logarithms for every token of
-    the vocabulary. On a 2-core AVX2 CPU, inside a jitted loop as the decode loop runs it, that took 10.6 ms
-    over [8, 49152] logits (a sampled decode step at 8 rows: a sixth of the step) and 82 ms over [8, 9, 49152]
-    (verifying 8 drafts: more than a plain step); this takes 0.8 and 4.6 ms (2-core CPU): one
-    exponential per token, block sums and two short running sums.
+    the vocabulary. On XLA:CPU, inside a jitted loop as the decode loop runs it, that is a noticeable share of a
+    sampled decode step and, over [8, 9, 49152] (verifying 8 drafts), more than a whole plain step; this costs
+    about a tenth to a twentieth of it (docs/cpu-performance.md): one exponential per token, block sums and two
+    short running sums.
     """
     if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
         keys = jax.random.wrap_key_data(keys)  # raw uint32[..., 2] keys (jax.random.PRNGKey)
@@ -255,9 +256,9 @@ def draw(keys: jax.Array, logits: jax.Array, sampling: SamplingParams) -> jax.Ar
 
     A batch whose rows all sample at a temperature alone (no greedy row, no top-k, top-p or min-p) draws from
     logits / temperature directly, which is what processing computes for such rows. The reason is cost: the
-    processing's passes over the vocabulary, behind conditionals that XLA:CPU does not fuse across, made
-    rejection sampling at [8, 9, 49152] take 29.7 ms a call at T = 0.8; with this shortcut it took 12.8 ms
-    (timed call by call; inside a loop 4.5 ms, against 3.9 ms greedy).
+    processing's passes over the vocabulary, behind conditionals that XLA:CPU does not fuse across, more than
+    double the cost of rejection sampling at [8, 9, 49152]; with this shortcut, inside a loop, it costs little
+    more than greedy verification.
     """
     temperature = _per_row(sampling.temperature, logits)
     plain = ~is_greedy(temperature) & (_per_row(sampling.top_k, logits) <= 0) \

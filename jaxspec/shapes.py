@@ -52,19 +52,18 @@ LONG_DRAFT_WIDTHS = (9, 17, 33, 65)
 
 
 # Verify widths offered beside those when forced text is drafted (`generate(constraint=...)`): a forced run (a
-# JSON key with its quotes and colon) is 2-4 tokens, and a forward over 3 or 5 new tokens costs well below one
-# over 9 on the CPU (c(3), c(5), c(9) = 1.2, 1.4, 1.9 plain steps at batch 1 on AVX2, 1.0-1.2 against 1.5 on
-# AVX-512, with the CPU matmul kernel: docs/cpu-performance.md).
+# JSON key with its quotes and colon) is 2-4 tokens, and with the CPU matmul kernel a forward over 3 or 5 new
+# tokens costs well below one over 9, on the AVX2 and the AVX-512 path alike (docs/cpu-performance.md).
 FORCED_TEXT_WIDTHS = (3, 5)
 
 
 # Verify widths offered beside a chain method's own where each step's width is chosen by measured cost (by
-# default, batches of several rows): at 8 rows a forward over 2 new tokens per row costs about one plain step on a
-# 2-core CPU, over 3 and 5 1.3-1.9, against 2.5-2.8 over 9, so a step where a few rows draft
-# can still score their first drafts cheaply. The table decides which of them a step runs.
+# default, batches of several rows): at 8 rows on XLA:CPU a forward over 2 new tokens per row costs about one plain
+# step and one over 3 or 5 well below one over 9, so a step where a few rows draft can still score their first
+# drafts cheaply. The table decides which of them a step runs.
 COST_CHOICE_WIDTHS = (2, 3, 5)
 # ... and beside a tree method's (whose nodes come best first, so a narrower width scores the best smaller tree):
-# at one row c(3), c(5), c(9) measured about 1.1-1.3, 1.3-1.4 and 1.5-1.7 plain steps against 2.0-2.7 for c(17).
+# at one row c(3), c(5) and c(9) each cost clearly less than c(17) (docs/cpu-performance.md).
 TREE_COST_CHOICE_WIDTHS = (3, 5, 9)
 
 

@@ -8,7 +8,7 @@ blocks of D x D; EAGLE: one fc plus one decoder layer) and ships inside the repo
   under the target's LM head predict token t + 2 + i (the target's own head predicts t + 1). W_i starts at
   zero, so an untrained head is the target's next-token predictor (as in the Medusa paper). Sharing the LM
   head instead of training one [D, V] projection per head (28M parameters each for SmolLM2) keeps the heads
-  at 0.3M parameters each: trainable on a 2-core CPU and small enough to commit.
+  at 0.3M parameters each: trainable on a small CPU and small enough to commit.
 - `EagleHead`: at position i it fuses the target's feature f_i with the embedding of token x_{i+1} (fc on the
   concatenation), runs one decoder layer (its own KV cache over earlier positions) and a norm, and predicts
   f_{i+1}; the LM head turns that into the distribution of x_{i+2}. Drafting feeds its own predictions back.

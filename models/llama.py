@@ -7,7 +7,7 @@ tokens (causal by default, a tree's ancestor mask for tree verification). It ret
 Layout choices that decide speed on XLA:CPU (see docs/cpu-performance.md): layers are separate
 modules (their weights separate arrays, the layer loop unrolled in the trace); q/k/v and gate/up are fused
 into one wider matmul each; weights are [out, in] and the residual stream is feature-major [D, B*T], so each
-projection is W @ xt (measured 1.3x faster than x @ W at 8 rows); attention contracts the G query heads and
+projection is W @ xt (faster than x @ W at 8 rows); attention contracts the G query heads and
 T new tokens of a KV head as one row block; the LM head is also kept as [D, V] (a transposed copy when
 embeddings are tied) because a single row runs fastest as h @ W.
 
@@ -181,11 +181,11 @@ def _in_read_bucket(attend, max_len: int, needed: jax.Array):
 
 
 # On a CPU, XLA's attention over many rows slows several-fold once the K/V a step reads outgrows the caches: the
-# scores' dot (q against K, a YNNPACK fusion) then runs far below memory speed. A one-token forward of 128 rows
-# reading 512 slots took 1036 ms, 354 ms in groups (docs/cpu-performance.md, "Attention in row groups"). So the
-# rows attend in groups whose K and V reads stay within this many bytes, one group after another (small enough,
-# presumably, for each group's prefix copy and dots to stay in cache); rows are independent in attention, so the
-# result is the same.
+# scores' dot (q against K, a YNNPACK fusion) then runs far below memory speed: a one-token forward of 128 rows
+# reading 512 slots costs about three times as much as with its rows in groups (docs/cpu-performance.md,
+# "Attention in row groups"). So the rows attend in groups whose K and V reads stay within this many bytes, one
+# group after another (small enough, presumably, for each group's prefix copy and dots to stay in cache); rows are
+# independent in attention, so the result is the same.
 _ROW_GROUP_BYTES = 4 << 20
 
 

@@ -125,7 +125,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     its header says (naming the first tensor cut off), integer tensors, and NaN or infinite values (naming the
     tensor and the first bad index). Names, shapes and extents are all checked from the headers before any tensor
     is read, so a corrupt size never turns into a huge allocation; the NaN check is one `np.isfinite` pass per
-    tensor as it is read (0.1 s of a 7-9 s load of the default model).
+    tensor as it is read (1-2% of a load of the default model).
     """
     if mesh is None and rules is not None:
         raise ValueError("rules= needs a mesh= to place the parameters on")

@@ -102,8 +102,8 @@ def build_parser(kind: str, *, defaults: dict, add_options: Callable, descriptio
                         "fixed per-prompt seeds, so the data is reproducible (default: %(default)s)")
 
     g.add_argument("--gen-batch", type=positive(int), default=16,
-                   help="prompts per generation call, grouped by length; 16 decodes ~1.3x faster than 8 on a "
-                        "2-core CPU (default: %(default)s)")
+                   help="prompts per generation call, grouped by length; 16 decodes faster than 8 on a "
+                        "CPU (default: %(default)s)")
 
     g = p.add_argument_group("training")
     g.add_argument("--seq-len", type=in_range(int, 2, 1 << 20), default=defaults["seq_len"],

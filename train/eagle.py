@@ -3,8 +3,9 @@
 The head reads (f_i, embedding of x_{i+1}) and predicts f_{i+1}; see `losses.eagle_loss` for the loss and
 `evaluate.eagle_counts` for the held-out per-step accuracies. `--help` lists every option.
 
-With the defaults a run takes about 15-25 minutes for SmolLM2-135M on a 2-core CPU: ~8-12 to generate the
-self-distilled data (once; the Medusa trainer reuses it), ~10 to train, ~2-3 to evaluate.
+With the defaults a run for SmolLM2-135M fits in well under an hour on a small CPU: generating the
+self-distilled data (once; the Medusa trainer reuses it) takes about as long as training, evaluating a fraction
+of either.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class EagleTask:
                 "unroll_decay": self.unroll_decay}
 
 
-# SmolLM2-135M on 2 shared cores: ~2-3 s per step of 4 windows x 144 positions, so 200 steps take ~10 min
-# (about 5 passes over the default data). lr 1e-3 beat 3e-3 in a short trial on held-out step-1 accuracy.
+# 200 steps of 4 windows x 144 positions: about 5 passes over the default data, minutes of training for
+# SmolLM2-135M on a small CPU. lr 1e-3 beat 3e-3 in a short trial on held-out step-1 accuracy.
 DEFAULTS = dict(seq_len=144, batch_size=4, steps=200, lr=1e-3, warmup_steps=20, weight_decay=0.0, clip=0.5)
 
 

@@ -8,8 +8,9 @@ What differs from `jaxspec.train.eagle` (EAGLE-1/2), after the EAGLE-3 paper:
 - the prompts include chat requests (`--chat-prompts`, rendered with the model's chat template) beside code,
   so chat prompts are not out of its distribution.
 
-`--help` lists every option. With the defaults, for SmolLM2-135M on a 2-core CPU: about 35 minutes to generate
-the data (once), then about 4 s per step.
+`--help` lists every option. With the defaults, for SmolLM2-135M on a small CPU, generating the data (once)
+takes the better part of an hour and each step seconds (docs/how-to/training-heads.md gives the shipped head's
+commands and times).
 """
 
 from __future__ import annotations

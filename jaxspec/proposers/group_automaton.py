@@ -49,10 +49,10 @@ written out of bounds, and one group's or string's limits never touch another.
 
 Cost: one append pass is one `extend_batch` over all G groups plus a probe, a gather and a scatter per group;
 `extend_groups` makes max(num) passes and `extend_rows` one `extend_groups` per rank of a row within its group.
-XLA:CPU, 2 shared cores, jitted with the automaton donated (or carried by a loop), after warm-up: extend_rows
-for G = 16 groups of N = 8 strings (256-token prefixes), B = 128 rows (8 per group), 2 tokens each (16 passes)
-takes about 1 ms per call (0.8-1.5 ms median; 3-5 ms while other jobs load the cores), with tables for 2048
-tokens per group (5 MB) and for 16 * 8 * 256 = 32768 (80 MB: C = 65537, S = 2**18) alike.
+On XLA:CPU, jitted with the automaton donated (or carried by a loop), the passes set the cost, not the tables'
+size: extend_rows for G = 16 groups of N = 8 strings (256-token prefixes), B = 128 rows (8 per group), 2 tokens
+each (16 passes) costs the same with tables for 2048 tokens per group (5 MB) and for 16 * 8 * 256 = 32768 (80 MB:
+C = 65537, S = 2**18), far below the cost of a decode step at that batch.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The group automaton (`group_automaton`) finds the longest suffix of a row's text that occurs anywhere in its
 group in amortised O(1) work per token, but it extends in `lax.while_loop`s whose trip counts depend on the
 data, and the G siblings of a group take turns. On a GPU each iteration of such a loop is a kernel launch and a
-copy of its condition to the host: the one-string automaton's update cost an H100 1.2-3.4 ms a step, more than
-a decode step of the default model. This index keeps only the texts and compares: each step, every row
+copy of its condition to the host, so the one-string automaton's update costs more than a decode step of the
+default model there. This index keeps only the texts and compares: each step, every row
 compares the last `max_match` tokens of its own text with the tokens ending at every position of every string
 of its group, O(max_match * N * T) work per row in a fixed number of array operations and no loop that
 depends on the data.

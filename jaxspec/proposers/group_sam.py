@@ -11,10 +11,9 @@ Two indexes (`index`): the group's texts searched by comparison (`group_match.Gr
 append, a fixed number of array operations to draft, suffixes compared up to `max_match` tokens) and a
 generalized suffix automaton (`group_automaton.GroupAutomaton`: amortised O(1) per token, in loops whose trip
 counts depend on the data, siblings taking turns). "auto" takes the texts, unless `max_tokens` bounds the
-automaton. On a GPU each automaton loop iteration is a kernel launch. On this project's 2-core CPU (a draft
-and a 2-token append per row a step) the texts cost 0.65 against 1.6 ms at 8 rows, about the same at 32 (1.8-2.3
-against 1.6-2.8 ms), and about twice as much at 128 (6-9 against 3-4 ms, where a plain step of the default
-model takes seconds), on a 2-core CPU.
+automaton. On a GPU each automaton loop iteration is a kernel launch. On XLA:CPU (a draft and a 2-token append
+per row a step) the texts cost less than the automaton at 8 rows, about the same at 32, and about twice as much
+at 128, where a plain step of the default model costs far more than either.
 
 Layout. Rows p * G .. p * G + G - 1 of the batch `init` sees form group p: the layout `prefill(group_size=G)`
 produces. Each row keeps its (group, string) indices as per-row state, and the groups' automata are

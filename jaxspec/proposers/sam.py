@@ -11,12 +11,10 @@ The dynamic source has two indexes that draft the same tokens (`index`): the suf
 (`suffix_automaton`), amortised O(1) work per token in loops whose trip counts depend on the data, and the
 match-length array (`suffix_match`), O(L * T) work per step (L the most tokens a step commits) in a fixed
 number of array operations. "auto" takes the array on accelerators, where each loop iteration is a kernel
-launch and a host round trip (the automaton's update cost an H100 2.3-2.9 ms a step, more than a plain decode
-step), and on a CPU up to
-`MATCH_MAX_TEXT_LEN` tokens of text, where it also ran faster: 0.03 against 0.27 ms per step for one row and
-0.15 against 0.56 ms for eight (T = 2048, 7 tokens appended a step; 0.43 against 0.71 ms for 32
-rows). Past that its O(L * T) comparisons cost more than the automaton's walks at eight rows (T = 16384: 3.4
-against 0.9 ms).
+launch and a host round trip (the automaton's update costs more than a plain decode step there), and on a CPU
+up to `MATCH_MAX_TEXT_LEN` tokens of text, where it is also the faster of the two at 1, 8 and 32 rows (T = 2048,
+7 tokens appended a step). Past that its O(L * T) comparisons cost more than the automaton's walks at eight rows
+(several times more at T = 16384).
 
 Each index keeps its own copy of the row's text (drafts are read from it), so `propose` and `update` never read
 `ctx.history`; `init` reads history[:, :history_len]. Memory per row for max_text_len T: 8 T bytes for the array

@@ -29,17 +29,17 @@ are dropped, so nothing is written out of bounds; a full row no longer follows i
 
 Batching. The extension loops run as `lax.while_loop`s whose trip count depends on the data. `jax.vmap` of such
 a loop runs the body for every row and then selects each loop-carried array row by row, which copies the whole
-table at every iteration (35x slower, measured). So the implementation is written for a batch of rows
+table at every iteration (over an order of magnitude slower). So the implementation is written for a batch of rows
 explicitly (the `*_batch` functions): each loop runs while any row has work, and idle rows write nothing. The
 one-row functions (`extend`, `extend_many`, `build_dynamic`, `dynamic_draft`, `static_feed`, `static_step`,
 `static_draft`) are `custom_vmap` wrappers: called on one row they run the batch code with B = 1, and under
 `jax.vmap` they run it once on the whole batch.
 
-Cost (XLA:CPU, 2 shared cores, 1000-token texts, T = 2024, vocabulary 49152, K + 1 = 9 extensions and one
-draft per row and step, measured through `SamProposer` inside a jitted loop): about 0.22 ms per step for 1 row,
-0.3-0.6 ms for 8 rows, 1-2.5 ms for 32 rows (the loops run as long as the slowest row; the big-table gathers
-and scatters are split across threads by XLA, which costs most when the other core is busy). Building the
-automaton of a 1000-token prompt: 30 ms for 1 row, 80 ms for 8 rows.
+Cost (XLA:CPU, through `SamProposer` inside a jitted loop, K + 1 = 9 extensions and one draft per row and
+step): a small fraction of a decode step, growing with the batch, since the loops run as long as the slowest row;
+the big-table gathers and scatters are split across threads by XLA, which costs most when the other cores are
+busy. Building the automaton of a prompt, once per row, costs about one or two decode steps for a 1000-token
+prompt.
 """
 
 from __future__ import annotations
@@ -372,7 +372,8 @@ class StaticSuffixAutomaton(_NodeColumns):
         """The automaton of the sequences joined by `separator` (between them, none at the end), built on the
         host: the online construction in Python, then the same hash-table layout as the dynamic automaton, sized
         for load <= 1/2 and doubled until every transition lies within W slots of its home (so a lookup that
-        finds neither the key nor an empty slot in its window means "absent"). About 0.5 s per 100k tokens.
+        finds neither the key nor an empty slot in its window means "absent"). Linear in the corpus length; being
+        Python, it takes seconds for a corpus of a few hundred thousand tokens.
 
         A draft is the corpus tokens after the match's first occurrence, up to the corpus end: it may run
         through a separator into the next sequence (verification rejects what does not fit).

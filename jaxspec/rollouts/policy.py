@@ -86,8 +86,8 @@ class TailPolicy:
     cost_of: Callable[[int], dict[int, float] | None]  # batch size -> {width: c(w)}, or None when unmeasured
     mode: str = "adaptive"
     # Acceptance rate per position before any measurement. Conservative, because exploring costs a whole chunk
-    # at the current batch: with 0.5 the policy tried a width-3 chunk at 32 rows, T = 1.0, which cost 0.75x of
-    # a 128-token rollout (4 prompts x 8 samples) on this CPU; with 0.3 it explores only where verifying is
+    # at the current batch: with 0.5 the policy explores a width-3 chunk at 32 rows, T = 1.0, which on XLA:CPU costs
+    # a large share of a 128-token rollout (4 prompts x 8 samples); with 0.3 it explores only where verifying is
     # cheap (small batches), and measured acceptance takes over from there.
     prior: float = 0.3
     decay: float = 0.7  # weight of the older measurements at each new chunk
@@ -145,8 +145,8 @@ class TailPolicy:
         last = self._timed.get(batch)
         if not self.overhead.measured and last is not None and last[0] > 0:
             # The factor is learned only from a drafting chunk beside a plain one, and acceptance high enough to
-            # keep drafting never runs the plain one: at T = 0.7 and 128 rows, seven drafting chunks in a row on
-            # c(3) alone made a rollout 1.74x slower than plain. So the first drafting chunk is followed by one
+            # keep drafting never runs the plain one: at T = 0.7 and 128 rows, drafting chunk after chunk on c(3)
+            # alone makes a rollout much slower than plain. So the first drafting chunk is followed by one
             # plain chunk at the same batch, once per shape.
             return 0
         # On a tie plain decoding wins: speculation that does not pay costs drafting time besides.

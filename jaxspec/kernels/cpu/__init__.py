@@ -47,13 +47,13 @@ _TARGET = "jaxspec_small_matmul"
 _ISAS = {"auto": 0, "avx512": 1, "avx2": 2, "generic": 3}
 _FORMS = {"auto": 0, "dot": 1, "broadcast": 2}
 
-# The column counts N for which `auto` takes the kernel, per code path (docs/cpu-performance.md). One column stays
-# on XLA: its matrix-vector path streamed the weights 10-20% faster than the kernel on one core, so the plain
-# decode step is XLA's as before. With AVX-512, thirty [1536, 576] products took 0.6x XLA's time at 2-32
-# columns, 0.84x at 256 and 0.98x at 512: a prefill over hundreds of tokens stays on XLA. On an AVX2-only CPU the
-# default model's forward ran faster on the kernel than on XLA at batch 1 for every T in 2-33 (c(9) 1.9 against
-# 2.8 one-token steps, c(17) 2.3 against 3.3) and at batch 8 for T = 1-2 (8 and 16 columns); at 24-72 columns
-# the two were within 6%. The baseline path is a fallback only.
+# The column counts N for which `auto` takes the kernel, per code path (docs/cpu-performance.md has the
+# measurements). One column stays on XLA: its matrix-vector path streams the weights faster than the kernel on
+# one core, so the plain decode step is XLA's. With AVX-512 the kernel beats XLA's GEMM clearly at 2-32 columns
+# and by less as columns grow, until the two are level around 512: a prefill over hundreds of tokens stays on
+# XLA. With AVX2 only, the default model's forward is faster on the kernel at batch 1 for every T in 2-33 and
+# at batch 8 for T = 1-2 (8 and 16 columns); at 24-72 columns the two are about level. The baseline path is a
+# fallback only.
 AUTO_COLUMNS = {"avx512": range(2, 257), "avx2": range(2, 34)}
 
 

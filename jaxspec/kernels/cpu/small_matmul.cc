@@ -194,9 +194,9 @@ void DotRows(const Gemm& g, int64_t begin, int64_t end) {
 constexpr int kBcastRows = 6;  // 6 rows x up to 4 vectors: 24 accumulators + 4 x vectors + a broadcast
 constexpr int kBcastMaxVectors = 4;
 // Columns past the last full vector, up to this many, go through the dot form on the same rows of w (still in
-// L1), where a masked vector would cost a whole vector's multiply-adds. With w in cache, 17 columns then cost
-// 1.2x 16 (a masked vector: 1.3x) and 33 cost 1.3x 32 (masked: 1.5x). A dot tile of all 6 rows x 4 columns
-// fits the 32 registers.
+// L1), where a masked vector would cost a whole vector's multiply-adds: with w in cache, 17 and 33 columns then
+// cost less over 16 and 32 than with a masked last vector. A dot tile of all 6 rows x 4 columns fits the 32
+// registers.
 constexpr int kDotRemainder = 4;
 constexpr int kRemainderRows = kBcastRows;
 
@@ -226,10 +226,10 @@ enum Isa : int64_t { kIsaAuto = 0, kIsaAvx512 = 1, kIsaAvx2 = 2, kIsaGeneric = 3
 enum Form : int64_t { kFormAuto = 0, kFormDot = 1, kFormBroadcast = 2 };
 
 // From this many columns on, the AVX-512 broadcast form is faster than the dot form: on thirty [1536, 576]
-// products the two tied at 12 columns, dot won below (4.5 against 5.6 ms at 8), broadcast above (5.6 against
-// 6.8 ms at 16); scripts/bench_kernel.py verify-cost prints both forms.
+// products the two tie at 12 columns, the dot form is faster below and the broadcast form above;
+// scripts/bench_kernel.py verify-cost prints both forms.
 constexpr int64_t kBroadcastFromColumns = 12;
-// The same for the AVX2 path (timed on an AVX2-only AMD EPYC): the broadcast form won from 8 columns.
+// The same for the AVX2 path (timed on an AVX2-only CPU): the broadcast form is faster from 8 columns.
 constexpr int64_t kAvx2BroadcastFromColumns = 8;
 
 bool Supported(int64_t isa) {
@@ -303,10 +303,9 @@ constexpr int64_t kChunkAlign = 24;
 
 // Helpers are tasks on XLA's own intra-op thread pool (the FFI `ThreadPool`), whose workers are the threads
 // that run the model's other operations and poll for work between them, so a task starts within microseconds
-// on an idle core. Helper threads of this library's own (one per further core, polling 500 us after each
-// job) were tried first: inside a model forward XLA's workers held the other core, the helper seldom got it,
-// and a forward ran as on one thread (batch 1, T = 16: 1.18x XLA's forward with helpers, 1.22x on one thread,
-// 0.78x on XLA's pool; docs/cpu-performance.md). Chunks are small (a quarter of a thread's share), so a
+// on an idle core. Helper threads of this library's own (one per further core, polling after each job) do
+// worse: inside a model forward XLA's workers hold the other cores, such a helper seldom gets one, and a
+// forward runs as on one thread (docs/cpu-performance.md compares the two). Chunks are small (a quarter of a thread's share), so a
 // task that starts late still takes some.
 void Run(const Gemm& g, RowsFn rows, int64_t threads, ffi::ThreadPool* pool) {
   int64_t helpers = threads == 1 || g.m * g.k * g.n < kMinParallelFlops ? 0 : pool->num_threads() - 1;
