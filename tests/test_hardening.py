@@ -1,4 +1,4 @@
-"""Hardening (#14): bad input gives a ValueError naming the value, and no input corrupts the output.
+"""Hardening: bad input gives a ValueError naming the value, and no input corrupts the output.
 
 - SamplingParams: complete validation (types, ranges, PRNG keys, nested junk); `stack`/`broadcast` raise only
   ValueError.

@@ -1,4 +1,4 @@
-"""The public low-level API (#15): `prepare` + `prefill` + `decode` (or `decode_chunk`, `spec_step`) are the loop
+"""The public low-level API: `prepare` + `prefill` + `decode` (or `decode_chunk`, `spec_step`) are the loop
 `generate` runs; array prompts in and arrays out; `rng=`; `rejection_sample` inside the caller's own jit and
 vmap; ValueErrors naming the value for bad rejection inputs, bad custom proposers and bad Drafts.
 

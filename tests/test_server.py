@@ -479,9 +479,9 @@ def _assert_still_serving(server, offline) -> None:
 
 
 def test_hostile_sampling_settings_are_answered_and_the_engine_survives(server, offline):
-    """Issue #14: top_k=2**31 passed validation and overflowed int32 on the engine thread, failing the engine
-    (every later request 503). Now top_k up to 2**31 - 1 is served as no limit (the same seeded text as
-    top_k=0), beyond it 200 or a 400 naming top_k, any integer seed is served, and the server keeps serving."""
+    """A top_k beyond int32 must not overflow on the engine thread, where it would fail the engine (every later
+    request 503): top_k up to 2**31 - 1 is served as no limit (the same seeded text as top_k=0), beyond it 200
+    or a 400 naming top_k, any integer seed is served, and the server keeps serving."""
     base = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0.8, "seed": 5}
     texts = []
     for top_k in (0, 2**31 - 1):
@@ -504,9 +504,9 @@ def test_hostile_sampling_settings_are_answered_and_the_engine_survives(server, 
 
 
 def test_hostile_bodies_get_their_4xx_and_the_server_keeps_serving(server, offline):
-    """Issue #14 over real HTTP: a lone surrogate in a prompt, a chat message or a stop string gets 400 naming
-    the field (it was a 500), NaN and Infinity 400, and a 3 MB body 413 under the default 2 MiB limit (with a
-    Content-Length or chunked); the server keeps serving and greedy output is unchanged."""
+    """Hostile bodies over real HTTP: a lone surrogate in a prompt, a chat message or a stop string gets 400
+    naming the field (not a 500), NaN and Infinity 400, and a 3 MB body 413 under the default 2 MiB limit (with
+    a Content-Length or chunked); the server keeps serving and greedy output is unchanged."""
     cases = [("/v1/completions", {"prompt": "\ud800"}, "prompt"),
              ("/v1/completions", {"prompt": "def f(x):", "stop": ["\n", "\udfff"]}, "stop.1"),
              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud83d"}]},

@@ -12,9 +12,9 @@ A valid body must get 200 with a well-formed completion (or SSE stream); a spoil
 body is OpenAI's error object and whose `param` names the spoiled field by its dotted path. Afterwards
 /health is 200, no request is left running and a greedy request still gives the text it gave before.
 
-Targeted regression tests cover each bug of issue #14 (top_k=2**31, lone surrogates, body size, NaN, a
-request failing inside the engine, cache_len beyond the model's context, tokenization on the event loop),
-and the incremental detokenizer (`TextStream`) is checked against `tokenizer.decode` of the whole output and
+Targeted regression tests cover each known failure under hostile input (top_k=2**31, lone surrogates, body
+size, NaN, a request failing inside the engine, cache_len beyond the model's context, tokenization on the event
+loop), and the incremental detokenizer (`TextStream`) is checked against `tokenizer.decode` of the whole output and
 for a per-token cost that does not grow with the output.
 
 The app runs over a small random model that carries the real SmolLM2 tokenizer (49152 ids, byte-level BPE,
@@ -662,7 +662,7 @@ def test_after_the_fuzzing_the_server_is_healthy_and_unchanged(server):
     assert_healthy_and_unchanged(server)
 
 
-# ------------------------------------------------------------------------------ regressions of issue #14
+# ------------------------------------------------------------------------- regressions: hostile input
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
