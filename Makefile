@@ -20,9 +20,9 @@ install:
 demo: install
 	$(PYTHON) scripts/demo.py
 
-# Two pytest workers (pytest-xdist), a test file each at a time: on the 2-core CI machine they ran the suite's
-# 3470 s of tests in 1910 s of wall time (warm compilation cache). --dist loadfile keeps a file's module
-# fixtures (a served model, a compiled loop) in one worker. A worker held about 5.5 GiB when sampled.
+# Two pytest workers (pytest-xdist), a test file each at a time: on a 2-core machine they run the suite in a little
+# over half its serial wall time (warm compilation cache). --dist loadfile keeps a file's module fixtures (a served
+# model, a compiled loop) in one worker. A worker holds several GiB (about 5.5 at peak).
 # `python -m pytest tests/test_x.py` still runs one file alone, in one process.
 TEST_WORKERS ?= 2
 

@@ -447,8 +447,8 @@ def test_metrics_parse_and_count(server):
     assert m["jaxspec_spec_mean_acceptance_length"] >= 1.0
 
 
-# eagle2 is marked slow: each head starts a server of its own (80-90 s on a 2-core CPU), the serving path is the
-# same for both tree heads, and eagle2's head is served beside other methods in tests/test_engine.py.
+# eagle2 is marked slow: each head starts a server of its own (more than a minute on a small CPU), the serving
+# path is the same for both tree heads, and eagle2's head is served beside other methods in tests/test_engine.py.
 @pytest.mark.parametrize("method", [pytest.param("eagle2", marks=pytest.mark.slow), "eagle3"])
 def test_a_trained_head_is_served(smollm2, humaneval_prompts, tmp_path, method):
     """`serve.py --method eagle3` (or eagle2): the shipped head drafts dynamic trees for a greedy request, which
