@@ -37,7 +37,7 @@ from jaxspec.constraints import (
 )
 from jaxspec.constraints import compile as compile_module
 from jaxspec.constraints.compile import AutomatonCache, worker_job
-from jaxspec.constraints.compiler import Compiler
+from jaxspec.constraints.compiler import Compiler, Worker, wall_seconds
 
 tok_and_vocab = test_constraints.tok_and_vocab  # the fixture: (SmolLM2's tokenizer, the model's vocab_size)
 LIMITS = ConstraintLimits()
@@ -177,13 +177,41 @@ def test_time_budget_kills_the_worker_and_the_next_compile_works(tok_and_vocab):
     start = time.perf_counter()
     with pytest.raises(ConstraintTooLarge, match="more than 2 s") as info:
         compile_constraint(SLOW, tok, vocab, ConstraintLimits(time_s=2))
-    assert info.value.limit == "time_s" and time.perf_counter() - start < 10
+    assert info.value.limit == "time_s" and time.perf_counter() - start < wall_seconds(ConstraintLimits(time_s=2)) + 2
     start = time.perf_counter()
     with pytest.raises(ConstraintTooLarge, match="time_s=2"):  # remembered: refused at once
         compile_constraint(SLOW, tok, vocab, ConstraintLimits(time_s=2))
     assert time.perf_counter() - start < 0.1
     assert compile_constraint(Regex("(yes|no)"), tok, vocab).num_states >= 2
     assert rss_mib() - before < 50
+
+
+def test_callers_of_one_spec_share_one_compile(tok_and_vocab, monkeypatch):
+    """Four threads asking for the same new spec at once get one automaton from one worker job: a second job
+    would hold a worker as long again, and every other constraint behind it."""
+    tok, vocab = tok_and_vocab
+    clear_cache()
+    jobs = []
+    run = Worker.run
+
+    def counted(self, job, *args):
+        jobs.append(job["what"])
+        time.sleep(0.5)  # the others arrive while it compiles
+        return run(self, job, *args)
+
+    monkeypatch.setattr(Worker, "run", counted)
+    results = [None] * 4
+
+    def ask(i):
+        results[i] = compile_constraint(Regex("(alpha|beta|gamma)[0-9]{2}"), tok, vocab)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(jobs) == 1, jobs
+    assert all(r is results[0] for r in results) and results[0].num_states > 3
 
 
 def test_memory_budget_kills_the_worker_and_the_next_compile_works(tok_and_vocab):
@@ -267,7 +295,7 @@ def test_fuzzed_specs_compile_or_raise_value_errors_within_the_budget(tok_and_vo
         assert aut.num_states >= 1
     except ValueError as e:
         assert len(str(e)) < 1500
-    assert time.perf_counter() - start < limits.time_s + 5
+    assert time.perf_counter() - start < wall_seconds(limits) + 1
     assert rss_mib() - before < 100
 
 

@@ -27,7 +27,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .automaton import HostAutomaton, TokenAutomaton, to_device
-from .compiler import Compiler
+from .compiler import CompileCancelled, Compiler
 from .jump import jump_tokens
 from .limits import (
     ConstraintLimits,
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 DEFAULT_LIMITS = ConstraintLimits()
 CACHE_BYTES = 512 << 20  # compiled automata kept, device arrays and their host twins counted
 _REFUSALS = 256  # refused specs remembered, so a client repeating one is refused at once
+_POLL_S = 0.05  # how often a caller waiting for another's compile of the same spec looks at its cancel event
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +144,7 @@ class AutomatonCache:
 compiler = Compiler()  # the worker processes every compile goes through
 automata = AutomatonCache(CACHE_BYTES)
 _refused: collections.OrderedDict = collections.OrderedDict()  # (key, limits) -> a function raising the error
+_compiling: dict = {}  # key -> threading.Event set when the compile under way for it ends
 
 
 def compile_constraint(spec: Regex | JsonSchema | Choice, tokenizer: Tokenizer, vocab_size: int,
@@ -176,9 +178,35 @@ def compile_constraint(spec: Regex | JsonSchema | Choice, tokenizer: Tokenizer, 
 
 def _compile(key, job: dict, vocab: HostVocabulary, limits: ConstraintLimits,
              cancel: threading.Event | None) -> TokenAutomaton:
-    refusal = _refused.get((key, limits))
-    if refusal is not None:
-        refusal()
+    """The automaton of `key`, compiled once however many threads ask for it at the same time: the first one
+    compiles, the others wait for it (a second compile of the same spec would hold a worker as long again and
+    every other constraint behind it), then take its automaton or its refusal."""
+    while True:
+        refusal = _refused.get((key, limits))
+        if refusal is not None:
+            refusal()
+        found = automata.get(key)
+        if found is not None:
+            return found
+        with _lock:
+            done = _compiling.get(key)
+            leader = done is None
+            if leader:
+                done = _compiling[key] = threading.Event()
+        if leader:
+            try:
+                return _compile_once(key, job, vocab, limits, cancel)
+            finally:
+                with _lock:
+                    del _compiling[key]
+                done.set()
+        while not done.wait(_POLL_S):  # then look again: the leader's automaton, its refusal, or a turn to lead
+            if cancel is not None and cancel.is_set():
+                raise CompileCancelled("the compile was cancelled while the same spec compiled for another caller")
+
+
+def _compile_once(key, job: dict, vocab: HostVocabulary, limits: ConstraintLimits,
+                  cancel: threading.Event | None) -> TokenAutomaton:
     job = dict(job, fingerprint=vocab.fingerprint, eos=vocab.eos_token_ids, vocab_size=key[2])
     with compiler.slot(cancel) as worker:
         found = automata.get(key)  # compiled while this one waited for a worker

@@ -2,19 +2,22 @@
 
 outlines-core's compile of a small spec can run for minutes, take gigabytes or abort the process (its Rust
 allocator does on failure), and cannot be interrupted from Python. So it runs in `worker.py`, a process that
-imports no jax (spawning it costs ~0.2 s, once: workers persist), under the job's address-space limit and at a
-lower priority; the parent waits on it, killing it when the job's time runs out or its `cancel` event is set,
-and starts a fresh one for the next job. A worker that dies mid-job (the Rust allocator's abort, a MemoryError)
-means the job needed more memory than its budget.
+imports no jax (spawning it is cheap next to a compile, and workers persist), under the job's address-space and
+CPU-time limits and at a lower priority; the parent waits on it, killing it when its `cancel` event is set or
+when a worker starved of the CPU overruns `wall_seconds`, and starts a fresh one for the next job. A worker
+that dies mid-job means the job needed more than its budget: SIGXCPU its CPU time, anything else (the Rust
+allocator's abort, a MemoryError) its memory.
 
-At most `max_workers` jobs run at once (default: half the cores, 1 to 4, so the engine keeps the rest); more
-wait their turn, and beyond `max_waiting` waiting ones a job is refused (`CompilerBusy`) rather than queued.
+At most `max_workers` jobs run at once (default: half the cores, 2 to 4; two, so that one slow compile does
+not hold every other constrained request behind it; niced, so the engine keeps its cores); more wait their
+turn, and beyond `max_waiting` waiting ones a job is refused (`CompilerBusy`) rather than queued.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +42,17 @@ class CompilerBusy(RuntimeError):
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.3g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.3g} MiB"
+
+
+def wall_seconds(limits: ConstraintLimits) -> float:
+    """How long the parent waits for a job: the worker stops itself after `time_s` seconds of CPU (RLIMIT_CPU);
+    this bound catches a worker starved of the CPU for much longer than that on a busy machine."""
+    return 3 * limits.time_s + 5
+
+
+def _too_slow(job: dict, limits: ConstraintLimits) -> ConstraintTooLarge:
+    return ConstraintTooLarge(f"compiling {job['what']} needed more than {limits.time_s:g} s of CPU time "
+                              f"(time_s={limits.time_s:g})", "time_s", limits.time_s)
 
 
 class Worker:
@@ -67,7 +81,7 @@ class Worker:
         """The tables the worker compiles for `job` (see worker.py), within `limits.time_s`; ConstraintTooLarge
         for a budget or limit exceeded, ValueError for a spec outlines-core refuses, CompileCancelled. On any of
         those but a refusal the worker is killed (`alive()` turns False)."""
-        deadline = time.monotonic() + limits.time_s
+        deadline = time.monotonic() + wall_seconds(limits)
         fingerprint = job["fingerprint"]
         try:
             self.conn.send(("compile", job, None if fingerprint in self.fingerprints else vocabulary))
@@ -78,11 +92,12 @@ class Worker:
                     raise CompileCancelled("the compile was cancelled")
                 if time.monotonic() > deadline:
                     self.kill()
-                    raise ConstraintTooLarge(f"compiling {job['what']} needed more than {limits.time_s:g} s "
-                                             f"(time_s={limits.time_s:g})", "time_s", limits.time_s)
+                    raise _too_slow(job, limits)
             reply = self.conn.recv()
         except (EOFError, OSError):
             self.kill()
+            if self.process.returncode == -signal.SIGXCPU:
+                raise _too_slow(job, limits) from None
             raise ConstraintTooLarge(f"compiling {job['what']} needed more than {_gib(limits.memory_bytes)} "
                                      f"(memory_bytes={limits.memory_bytes}; the compile worker exited with "
                                      f"{self.process.returncode})", "memory_bytes", limits.memory_bytes) from None
@@ -99,7 +114,7 @@ class Compiler:
 
     def __init__(self, max_workers: int | None = None, max_waiting: int = 16):
         if max_workers is None:
-            max_workers = max(1, min(4, (os.cpu_count() or 2) // 2))
+            max_workers = max(2, min(4, (os.cpu_count() or 2) // 2))
         if max_workers < 1 or max_waiting < 0:
             raise ValueError(f"max_workers={max_workers} must be >= 1 and max_waiting={max_waiting} >= 0")
         self.max_workers = max_workers  # compiles running at once

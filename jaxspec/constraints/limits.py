@@ -59,7 +59,7 @@ class ConstraintLimits:
     max_regex_bytes: int = 256 * 1024  # the regex handed to outlines-core (a schema's as outlines-core writes it)
     max_states: int = 16_384  # token-automaton states
     max_edges: int = 1 << 23  # token-automaton (state, token) pairs
-    time_s: float = 30.0  # the compile's wall time, in the worker
+    time_s: float = 30.0  # the compile's CPU seconds, in the worker (RLIMIT_CPU)
     memory_bytes: int = 2 << 30  # the compile worker's address space
 
     def __post_init__(self):

@@ -4,7 +4,8 @@ Started by `jaxspec.constraints.compiler` as `python path/to/worker.py FD` (FD: 
 imports the standard library, numpy, outlines-core and, by path, `limits` and `tables` beside it: never jaxspec
 nor jax, so it starts in a fraction of a second and holds ~150 MB. It lowers its priority (the engine's decode
 loop comes first) and runs one job at a time under the job's address-space limit (RLIMIT_AS): outlines-core's
-Rust allocator aborts the process when that runs out, which the parent reads as the memory budget exceeded.
+Rust allocator aborts the process when that runs out, which the parent reads as the memory budget exceeded; and
+under its CPU-time limit (RLIMIT_CPU), past which the kernel ends it with SIGXCPU: the time budget exceeded.
 The parent kills it when the job's time runs out or the job is cancelled, and starts another when needed.
 
 Messages (pickled, `multiprocessing.connection`):
@@ -14,6 +15,7 @@ Messages (pickled, `multiprocessing.connection`):
   out: ("ok", {field: array}) or ("refused", limit, maximum, value, message) or ("invalid", message).
 """
 
+import math
 import os
 import resource
 import sys
@@ -65,6 +67,7 @@ def serve(conn: Connection) -> None:
     """Answer jobs until the parent closes its end."""
     vocabularies = {}  # fingerprint -> outlines_core.Vocabulary
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    _, cpu_hard = resource.getrlimit(resource.RLIMIT_CPU)
     while True:
         try:
             _, job, vocabulary = conn.recv()
@@ -73,6 +76,13 @@ def serve(conn: Connection) -> None:
         memory = job["limits"]["memory_bytes"]
         resource.setrlimit(resource.RLIMIT_AS, (memory if hard == resource.RLIM_INFINITY else min(memory, hard),
                                                 hard))
+        # The time budget counts this process's CPU seconds, not the wall clock: on a busy machine a niced worker
+        # waits for the CPU, and that wait is not the spec's cost. Past it the kernel sends SIGXCPU, which ends
+        # the process; the parent reads that signal as the time budget exceeded.
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = math.ceil(usage.ru_utime + usage.ru_stime + job["limits"]["time_s"])
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu if cpu_hard == resource.RLIM_INFINITY else min(cpu, cpu_hard),
+                                                 cpu_hard))
         try:
             if vocabulary is not None:
                 eos, tokens = vocabulary
@@ -88,6 +98,7 @@ def serve(conn: Connection) -> None:
             reply = ("invalid", _limits.shown(str(e) or repr(e), _MESSAGE_CHARS))
         finally:
             resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_hard, cpu_hard))
         conn.send(reply)
 
 
