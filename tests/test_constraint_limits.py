@@ -42,7 +42,7 @@ from jaxspec.constraints.compiler import Compiler, Worker, wall_seconds
 tok_and_vocab = test_constraints.tok_and_vocab  # the fixture: (SmolLM2's tokenizer, the model's vocab_size)
 LIMITS = ConstraintLimits()
 RECURSIVE = {"type": "object", "properties": {f"p{i}": {"$ref": "#"} for i in range(20)}}  # 798 bytes
-SLOW = JsonSchema({"type": "string", "maxLength": 20})  # 86 s and 4.3 GB in outlines-core
+SLOW = JsonSchema({"type": "string", "maxLength": 20})  # minutes and gigabytes in outlines-core
 HUNGRY = Regex("[a-z]{150}")  # 1.7M edges: its transitions alone take over 300 MB in the worker
 
 

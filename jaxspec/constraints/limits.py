@@ -1,12 +1,12 @@
 """How large a constraint may be, checked before anything expensive: `ConstraintLimits` and its checks.
 
 A constraint's cost is not its size: outlines-core builds a byte-level DFA, then a token-level index over the
-whole vocabulary, and both can grow exponentially in a small spec. `{"type":"string","maxLength":20}` took 86 s
-and 4.3 GB, `[a-z]{5000}` 40 s and 11 GB, a 798-byte schema of self-referring properties a 148 MB regex, and
-a `minLength` of 10**9 aborts the Rust allocator. So every count that multiplies the automaton (repetition
-bounds, `$ref` expansion, enum options) is bounded here, from the spec's text, in time linear in it; the rest
-is bounded by the compile's time and memory budget (`jaxspec.constraints.compiler`) and by the automaton's size
-once built.
+whole vocabulary, and both can grow exponentially in a small spec: `{"type":"string","maxLength":20}` and
+`[a-z]{5000}` compile for minutes in gigabytes, a 798-byte schema of self-referring properties becomes a regex
+of a hundred megabytes, and a `minLength` of 10**9 aborts the Rust allocator. So every count that multiplies
+the automaton (repetition bounds, `$ref` expansion, enum options) is bounded here, from the spec's text, in
+time linear in it; the rest is bounded by the compile's time and memory budget (`jaxspec.constraints.compiler`)
+and by the automaton's size once built.
 
 This module imports the standard library alone: the compile worker, which never imports jaxspec (nor jax),
 loads it by path.

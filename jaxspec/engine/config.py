@@ -31,8 +31,8 @@ class EngineConfig:
     max_logprobs: int | None = 20  # most likely tokens a request may ask for per position; None: no logprobs
     # The most waiting requests admitted by one prefill call; 1: one at a time. None: 8 on accelerators, 1 on
     # CPU, where a prefill costs the same per token at any batch size and padding prompts to the longest one's
-    # bucket adds tokens, so batching made the mean time to first token worse (0.74 s -> 1.74 s for a burst
-    # of 8 requests, scripts/bench_serve.py --engine --prefill-batches 1,8).
+    # bucket adds tokens, so batching makes the mean time to first token of a burst worse (measure it with
+    # scripts/bench_serve.py --engine --prefill-batches 1,8).
     max_prefill_batch: int | None = None
     # Predicted outputs: the longest prediction (in tokens) a request may carry; 0 serves none. With it, every
     # row drafts up to spec.prediction_tokens tokens a step from its prediction (`jaxspec.predicted`), and the

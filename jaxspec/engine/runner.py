@@ -362,8 +362,8 @@ class Runner:
 
     def _batch_settings(self, rows: Sequence[LiveRequest | None]) -> tuple[SamplingParams, RowLimits]:
         """The batch arrays of the rows' settings, reused while every slot holds the same values: stacking them
-        checks each row's values and uploads each field, 3.1-4.8 ms a chunk at 8 slots and 10.8-12.5 at 32 on a
-        2-core CPU, which a GPU's chunk of a few milliseconds a step cannot hide."""
+        checks each row's values and uploads each field, a host cost per chunk that grows with the slots and that
+        a GPU's chunk of a few milliseconds a step cannot hide."""
         settings = [None if r is None else slots.RowSettings(r.request.sampling, r.request.max_tokens, r.stop_ids)
                     for r in rows]
         key = tuple(None if s is None else (s.sampling, s.max_new_tokens, tuple(s.stop_ids)) for s in settings)
