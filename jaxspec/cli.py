@@ -2,7 +2,7 @@
 
     jaxspec generate "def fibonacci(n):"                        # the default model, plain decoding
     jaxspec generate --chat "Write a haiku about JAX." --method sam --temperature 0.7 --seed 1
-    jaxspec serve --port 8000                                   # an OpenAI-compatible server (the [serve] extra)
+    jaxspec serve --port 8000                                   # an OpenAI-compatible server
     jaxspec corpus --prompts my_prompts.txt --out my.sam_corpus.json   # sam's draft corpus for your domain
     jaxspec train eagle3 --steps 800                            # train a head (the [train] extra)
 
@@ -112,8 +112,8 @@ def serve_main(argv: Sequence[str]) -> int:
     """`jaxspec serve ...`: `jaxspec.serving.server.main` with the rest of the command line."""
     try:
         from .serving import server
-    except ImportError as e:  # fastapi, uvicorn, ...: the [serve] extra
-        return _fail(f"serve needs the server's dependencies: pip install 'jaxspec[serve]' ({e})")
+    except ImportError as e:  # fastapi, uvicorn, ...: in the core install, unless removed since
+        return _fail(f"serve needs the server's dependencies (fastapi, uvicorn, ...): pip install jaxspec ({e})")
     return _with_prog(f"{PROG} serve", lambda: server.main(list(argv)))
 
 
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     sub.add_parser("generate", help="generate text from a prompt, plainly or speculatively", add_help=False)
-    sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (the [serve] extra)",
+    sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                    add_help=False)
     sub.add_parser("corpus", help="build sam's draft corpus from your prompts or documents", add_help=False)
     sub.add_parser("train", help=f"train a drafting head: {', '.join(TRAIN_KINDS)} (the [train] extra)",
