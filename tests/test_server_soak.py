@@ -1,4 +1,5 @@
-"""Soak: a real server under 64 concurrent streams and 100 clients that hang up mid-stream leaks nothing.
+"""Soak: a real server under 64 concurrent streams and 100 clients that hang up mid-stream leaks nothing, and
+hostile constrained requests stall no one.
 
 One `python scripts/serve.py` process (real SmolLM2 weights, 127.0.0.1 only) takes, all at once, 64 streaming
 requests (greedy and seeded, mixed speculation methods) and 100 streaming requests whose clients disconnect at
@@ -6,6 +7,14 @@ different moments: right after the response headers (the request may still be qu
 tokens, or after a few chunks. Every one of the 64 must finish with exactly the text the same request got
 before the soak; every disconnect must end its request as an abort; afterwards no request runs or waits,
 /health is 200 and a greedy request still gives its earlier text.
+
+Then six clients send constrained requests without pause, and plain requests are timed meanwhile. Schemas
+whose compile explodes in outlines-core are refused by their limits or their compile budget, and a plain
+request beside them takes at most twice its idle time plus one chunk. Admitted constrained requests (a new
+small enum each time, predicted completions, json_object streams dropped after the first event) cost a plain
+request beside them at most twice what the same requests without constraints cost it, plus one chunk: sharing
+the batch slows a row on a CPU, a new constraint must not add a stall. The server's resident memory grows by
+less than 1 GiB and it still answers /health.
 
 Marked slow (deselected by default): `python -m pytest -m slow tests/test_server_soak.py`.
 """
@@ -15,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import statistics
+import time
 
 import httpx
 import pytest
@@ -163,3 +174,149 @@ def test_64_streams_and_100_disconnects_leak_no_slot(server):
         assert text == refs[reference_key(bodies[i % len(PROMPTS)])]
     _wait_idle(url)
     assert "Traceback" not in server["log"].read_text()
+
+
+# ------------------------------------------------------------------------------------- hostile constrained load
+
+# Schemas and patterns whose compile is exponential or unbounded in outlines-core: each must be refused (400)
+# by its limits or its compile budget, never take the server down or hold its memory, and never delay others.
+HOSTILE_FORMATS = [
+    {"type": "string", "minLength": 1_000_000_000},
+    {"type": "string", "maxLength": 20},
+    {"type": "string", "pattern": "[a-z]{5000}"},
+    {"type": "object", "properties": {f"p{i}": {"$ref": "#"} for i in range(20)}},
+    {"type": "object", "properties": {f"p{i}": {"$ref": "#"} for i in range(30)}},
+]
+LOAD_CLIENTS = 6  # each sends its requests one after another
+PLAIN_PROBES = 8  # plain requests timed while the clients run
+RSS_GROWTH_LIMIT = 1 << 30  # bytes the server may grow by over the whole test
+PLAIN = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0, "speculative": "off"}
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of process `pid` (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def _hostile_body(client: int, i: int) -> dict:
+    """A constrained request whose schema is refused by its limits or its compile budget."""
+    schema = HOSTILE_FORMATS[(client * 7 + i) % len(HOSTILE_FORMATS)]
+    return {"model": MODEL, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "Answer in JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": schema}}}
+
+
+def _admitted_body(client: int, i: int, constrained: bool) -> dict:
+    """The i-th request of client `client` in the admitted mix: a new small enum (a new automaton each time), a
+    predicted completion, or a long stream that the client drops after its first event (a json_object one).
+    Without `constrained`, the same requests with no `response_format`: the batch load they make alone."""
+    kind = (client + i) % 3
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    if kind == 0:
+        options = [f"option {client}-{i}-{j}" for j in range(3 + 17 * (i % 4))]
+        body.update(messages=[{"role": "user", "content": "Pick one."}],
+                    response_format={"type": "json_schema", "json_schema": {
+                        "name": "pick", "schema": {"type": "string", "enum": options}}})
+    elif kind == 1:
+        body.update(messages=[{"role": "user", "content": "Repeat: def add(a, b): return a + b"}],
+                    prediction={"type": "content", "content": "def add(a, b):\n    return a + b\n" * 4})
+    else:
+        body.update(messages=[{"role": "user", "content": "Write a long story."}], max_tokens=200, stream=True,
+                    response_format={"type": "json_object"})
+    if not constrained:
+        body.pop("response_format", None)
+    return body
+
+
+def _under_load(url: str, make_body, statuses: dict[int, int]) -> list[float]:
+    """The latencies of PLAIN_PROBES plain requests sent one at a time while LOAD_CLIENTS clients send
+    `make_body(client, i)` without pause (a stream is dropped after its first event); counts their statuses."""
+    stop = asyncio.Event()
+
+    async def client(http: httpx.AsyncClient, c: int) -> None:
+        i = 0
+        while not stop.is_set():
+            body = make_body(c, i)
+            i += 1
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            if body.get("stream"):
+                async with http.stream("POST", path, json=body) as r:
+                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            break  # hang up after the first event
+                continue
+            r = await http.post(path, json=body)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code in (200, 400, 429), r.text
+            if r.status_code == 400:
+                assert r.json()["error"]["param"].startswith("response_format"), r.text
+            assert len(r.text) < 4096, len(r.text)
+
+    async def probe(http: httpx.AsyncClient) -> list[float]:
+        latencies = []
+        await asyncio.sleep(2.0)  # the clients are under way
+        for _ in range(PLAIN_PROBES):
+            t0 = time.perf_counter()
+            r = await http.post("/v1/completions", json=PLAIN)
+            assert r.status_code == 200, r.text
+            latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.5)
+        stop.set()
+        return latencies
+
+    async def run() -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=SOAK_TIMEOUT_S) as http:
+            clients = [asyncio.create_task(client(http, c)) for c in range(LOAD_CLIENTS)]
+            latencies = await probe(http)
+            await asyncio.wait_for(asyncio.gather(*clients), SOAK_TIMEOUT_S)
+            return latencies
+
+    latencies = asyncio.run(run())
+    _wait_idle(url)
+    return latencies
+
+
+def test_hostile_constrained_requests_stall_no_one(server):
+    """Six clients send constrained requests without pause. (1) Schemas refused by their limits or their compile
+    budget: each is a 400 naming response_format, and a plain request's latency stays under twice its idle
+    latency plus one chunk. (2) Admitted ones (a new enum per request, predictions, json_object streams dropped
+    after the first event): a plain request's latency stays under twice what it is beside the same requests
+    without their constraints, plus one chunk: a new constraint compiles no program and stalls no one. The
+    server stays up and grows by less than 1 GiB."""
+    url, pid = server["url"], server["proc"].pid
+    with httpx.Client(base_url=url, timeout=120) as http:
+        for _ in range(2):
+            assert http.post("/v1/completions", json=PLAIN).status_code == 200
+        idle = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            assert http.post("/v1/completions", json=PLAIN).status_code == 200
+            idle.append(time.perf_counter() - t0)
+    idle = sorted(idle)[2]
+    chunk_s = idle * int(SERVER_ARGS[SERVER_ARGS.index("--chunk-steps") + 1]) / PLAIN["max_tokens"]
+    rss_before = _rss(pid)
+
+    refused: dict[int, int] = {}
+    hostile = _under_load(url, _hostile_body, refused)
+    assert set(refused) <= {400, 429} and refused.get(400, 0) >= LOAD_CLIENTS, refused
+
+    unconstrained: dict[int, int] = {}
+    baseline = _under_load(url, lambda c, i: _admitted_body(c, i, constrained=False), unconstrained)
+    admitted: dict[int, int] = {}
+    mixed = _under_load(url, lambda c, i: _admitted_body(c, i, constrained=True), admitted)
+    assert set(admitted) == {200}, admitted
+
+    grown = _rss(pid) - rss_before
+    print(f"idle {idle:.3f} s; beside refused schemas {[round(x, 3) for x in hostile]}; beside unconstrained "
+          f"requests {[round(x, 3) for x in baseline]}; beside the same constrained {[round(x, 3) for x in mixed]}; "
+          f"statuses {refused} {unconstrained} {admitted}; rss +{grown / 2**20:.0f} MiB")
+    assert server["proc"].poll() is None, "the server exited"
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert grown < RSS_GROWTH_LIMIT, f"the server grew by {grown / 2**20:.0f} MiB"
+    assert max(hostile) <= 2 * idle + chunk_s, (hostile, idle)
+    assert max(mixed) <= 2 * statistics.median(baseline) + chunk_s, (mixed, baseline)
