@@ -242,11 +242,17 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def kv_bytes_per_slot(lm: LanguageModel) -> int:
+    """Bytes one row's KV cache takes per slot, read from the target's own `new_cache` (the model contract: any
+    layout, heads and dtype) by shape alone, nothing allocated."""
+    module = lm.module
+    cache = jax.eval_shape(lambda: module.new_cache(1, 1))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))
+
+
 def rows_bytes(lm: LanguageModel, *, num_rows: int, cache_len: int, history_len: int, logprobs: bool) -> int:
     """Bytes `num_rows` decoding rows hold on the device: KV cache, token history, log-probabilities."""
-    cfg = lm.config
-    dtype_bytes = jax.tree.leaves(lm.params)[0].dtype.itemsize
-    kv = num_rows * cfg.num_layers * 2 * cfg.num_kv_heads * cache_len * cfg.head_dim * dtype_bytes
+    kv = num_rows * cache_len * kv_bytes_per_slot(lm)
     return kv + num_rows * history_len * (4 + 1 + (4 if logprobs else 0))
 
 
