@@ -38,14 +38,15 @@ class ScoreResult:
 
     Position t of row b is scored when `mask[b, t]`: it lies in the row (t < its length), after its prompt
     (t >= its prompt length) and is not position 0, which has no context to be predicted from. Every other
-    position holds 0 in `logprobs`, `top_ids` and `top_logprobs` (never NaN), so sums over a row and gradients
-    of them need no further masking.
+    position holds 0 in `logprobs`, `top_ids`, `top_logprobs` and `ranks` (never NaN), so sums over a row and
+    gradients of them need no further masking.
     """
 
     logprobs: jax.Array  # f32[B, T]  log p(token_ids[b, t] | token_ids[b, :t]) under softmax(logits / temperature)
     mask: jax.Array  # bool[B, T]  the scored positions
     top_ids: jax.Array  # i32[B, T, K]  the K = top_logprobs most likely tokens at position t, most likely first
     top_logprobs: jax.Array  # f32[B, T, K]  their log-probabilities
+    ranks: jax.Array  # i32[B, T]  1 + the number of tokens more likely than token_ids[b, t] at position t
 
 
 def score_arrays(graphdef, params, tokens: jax.Array, lengths: jax.Array, prompt_lens: jax.Array,
@@ -81,7 +82,8 @@ def score_arrays(graphdef, params, tokens: jax.Array, lengths: jax.Array, prompt
     if num == 0:  # rows of one token: nothing has context
         return ScoreResult(logprobs=jnp.zeros((batch, width), jnp.float32), mask=jnp.zeros((batch, width), bool),
                            top_ids=jnp.zeros((batch, width, top_logprobs), jnp.int32),
-                           top_logprobs=jnp.zeros((batch, width, top_logprobs), jnp.float32))
+                           top_logprobs=jnp.zeros((batch, width, top_logprobs), jnp.float32),
+                           ranks=jnp.zeros((batch, width), jnp.int32))
     positions = jnp.broadcast_to(t, (batch, width))  # i32[B, T]
     # The logits at position p - 1 predict token p; a position past the row's end reads the last slot (masked).
     logits_at = jnp.minimum(scored_at - 1, width - 1)  # i32[B, W]
@@ -90,6 +92,9 @@ def score_arrays(graphdef, params, tokens: jax.Array, lengths: jax.Array, prompt
     logits = out.logits.astype(jnp.float32) / temperature  # f32[B, W, V]
     targets = jnp.take_along_axis(tokens, jnp.minimum(scored_at, width - 1), axis=1)  # i32[B, W]
     scored = lp.score(logits, targets, top_logprobs)
+    # A token's rank in the vocabulary (vLLM's `rank`): 1 + the tokens with a larger logit (ties share a rank).
+    chosen = jnp.take_along_axis(logits, targets[..., None], axis=-1)  # f32[B, W, 1]
+    ranks = 1 + jnp.sum(logits > chosen, axis=-1, dtype=jnp.int32)  # i32[B, W]
 
     def place(values):  # [B, W, ...] -> [B, T, ...]: the values at the scored positions, 0 elsewhere
         keep = mask_w.reshape(mask_w.shape + (1,) * (values.ndim - 2))
@@ -97,7 +102,7 @@ def score_arrays(graphdef, params, tokens: jax.Array, lengths: jax.Array, prompt
         return base.at[rows, scored_at].set(jnp.where(keep, values, jnp.zeros((), values.dtype)), mode="drop")
 
     return ScoreResult(logprobs=place(scored.token), mask=place(mask_w), top_ids=place(scored.top_ids),
-                       top_logprobs=place(scored.top))
+                       top_logprobs=place(scored.top), ranks=place(ranks))
 
 
 # graphdef, top_logprobs and max_scored shape the program; params, arrays and temperature are arguments.
@@ -183,8 +188,9 @@ def score(lm: LanguageModel, token_ids, *, lengths=None, mask=None, prompt_lens=
     max_scored: compute logits at only this many positions per row (each row's scored span must fit in it),
     so a long prompt costs no LM head; the values are the same.
 
-    Returns a `ScoreResult` of jax arrays: `logprobs` f32[B, T] (0 where not scored, `mask` False), and
-    `top_ids` i32[B, T, K], `top_logprobs` f32[B, T, K]. Compiled per (B, T) shape, `top_logprobs` and
+    Returns a `ScoreResult` of jax arrays: `logprobs` f32[B, T] (0 where not scored, `mask` False),
+    `top_ids` i32[B, T, K], `top_logprobs` f32[B, T, K], and `ranks` i32[B, T], each token's rank in the
+    vocabulary (1: the most likely). Compiled per (B, T) shape, `top_logprobs` and
     `max_scored`. Inside your own jit or `jax.grad` call `score_arrays` (the same computation, pure).
 
     Raises ValueError naming the value: token_ids ragged, empty (B or T of 0), not integers, or with an id

@@ -129,7 +129,7 @@ def test_batched_rows_equal_each_row_alone_and_the_reference(tiny_lm, rows):
     np.testing.assert_array_equal(np.asarray(masked.logprobs), np.asarray(batched.logprobs))
 
 
-def test_top_logprobs_are_the_most_likely_tokens(tiny_lm, rows):
+def test_top_logprobs_and_ranks_are_the_vocabulary_order(tiny_lm, rows):
     res = jaxspec.score(tiny_lm, rows, lengths=LENGTHS, prompt_lens=PROMPT_LENS, top_logprobs=3)
     model = tiny_lm.module
     out, _ = model(jnp.asarray(rows[:1]), jnp.arange(WIDTH)[None], model.new_cache(1, WIDTH))
@@ -139,6 +139,8 @@ def test_top_logprobs_are_the_most_likely_tokens(tiny_lm, rows):
         assert np.asarray(res.top_ids[0, t]).tolist() == order.tolist()
         np.testing.assert_allclose(np.asarray(res.top_logprobs[0, t]), logp[t - 1, order], atol=2e-5)
         assert float(res.logprobs[0, t]) == pytest.approx(logp[t - 1, rows[0, t]], abs=2e-5)
+        assert int(res.ranks[0, t]) == 1 + int(np.sum(logp[t - 1] > logp[t - 1, rows[0, t]]))
+    assert np.all(np.asarray(res.ranks)[~np.asarray(res.mask)] == 0)
 
 
 def test_new_params_reuse_the_program_and_score_under_those_weights(tiny_lm, rows):
