@@ -282,7 +282,7 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "n", "stream", "stream_options", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "speculative", "user", "metadata", "prediction", "response_format"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
 # Valid values of the fields both endpoints share, over their whole ranges, edges made likely.
@@ -354,10 +354,13 @@ def valid_body(draw, chat: bool) -> dict:
             body["logprobs"] = draw(st.booleans())
             if body["logprobs"] and draw(st.booleans()):
                 body["top_logprobs"] = draw(st.integers(0, 20))
-    elif draw(st.booleans()):
-        body["logprobs"] = draw(st.one_of(st.none(), st.integers(0, 5)))
+    else:
         if draw(st.booleans()):
-            body["echo"] = False
+            body["logprobs"] = draw(st.one_of(st.none(), st.integers(0, 5)))
+        if draw(st.booleans()):
+            body["echo"] = draw(st.booleans())
+        if draw(st.booleans()):
+            body["prompt_logprobs"] = draw(st.one_of(st.none(), st.integers(0, 20)))
     return body
 
 
@@ -421,7 +424,9 @@ SPOILERS_COMPLETION = SPOILERS_COMMON + [
     ("prompt", st.integers(CONFIG.max_context, CONFIG.cache_len * 2).map(lambda n: "ab " * n), None),
     ("logprobs", st.one_of(NOT_AN_INT.filter(lambda v: v is not None), st.integers(max_value=-1),
                            st.integers(min_value=6)), None),
-    ("echo", st.one_of(st.just(True), NOT_A_BOOL.filter(lambda v: v is not None)), None),
+    ("echo", NOT_A_BOOL.filter(lambda v: v is not None), None),
+    ("prompt_logprobs", st.one_of(NOT_AN_INT.filter(lambda v: v is not None), st.integers(max_value=-1),
+                                  st.integers(min_value=21)), None),
 ]
 SPOILERS_CHAT = SPOILERS_COMMON + [
     ("messages", st.one_of(st.just([]), st.just(None), st.just("hi"), st.just({"role": "user"}), st.just([1])),
@@ -468,6 +473,8 @@ def spoiled_body(draw, chat: bool) -> tuple[dict, Expect]:
         body.pop("logprobs", None)
     if field == "max_completion_tokens":
         body.pop("max_tokens", None)
+    if field == "max_tokens" and value == 0:
+        body.pop("echo", None)  # max_tokens 0 asks for the echoed prompt alone: valid only with echo
     if field == "stop_token_ids" and isinstance(value, list) and len(value) > MAX_STOP_IDS:
         body.pop("ignore_eos", None)
     return body, bad(param or field)

@@ -12,13 +12,16 @@ with an `api_key`, every route but the playground page and its files, `/health` 
 asking the server first (CORS), and this server answers no such question.
 
 Tokenizing, chat templates and parsing large bodies run in a thread pool the app owns (`TEXT_WORKERS` threads),
-so no other work queued in asyncio's default pool delays them.
+so no other work queued in asyncio's default pool delays them. Scoring prompts (completions' `echo` and
+`prompt_logprobs`) runs in a second pool of its own (`SCORE_WORKERS` threads): a forward over a prompt, or the
+compile of a new width, takes far longer than text work and must not hold the text threads.
 
 - `jaxspec.serving.bodies`: reading a body under the size limit, parsing and validating it;
 - `jaxspec.serving.protocol`: the request bodies (pydantic) and OpenAI's error body;
 - `jaxspec.serving.translate`: a body into token ids and engine `Request`s;
 - `jaxspec.serving.choices`: each engine request's outputs as text, merged or collected;
 - `jaxspec.serving.responses`: OpenAI's completion and chat formats, one body or server-sent chunks;
+- `jaxspec.serving.echo`: a completion's prompt in its response (`echo`, `prompt_logprobs`);
 - `jaxspec.serving.errors`: failures as HTTP statuses and OpenAI's error body;
 - `jaxspec.serving.routes`: the routes; `jaxspec.serving.metrics`: Prometheus metrics;
 - `jaxspec.serving.playground`: a page at `/` for trying the engine by hand;
@@ -46,6 +49,7 @@ from .protocol import RequestError
 from .routes import api_router
 
 TEXT_WORKERS = 4  # threads for tokenizing and chat templates: short tasks that mostly hold the GIL
+SCORE_WORKERS = 1  # threads scoring prompts: one forward at a time beside the engine's, which it competes with
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names a loopback server is reached by
 OPEN_PATHS = ("/", "/health", "/metrics")  # served without the API key (the page holds no data; probes carry no key)
 OPEN_PREFIXES = ("/playground/static/",)
@@ -99,7 +103,7 @@ class AccessControl:
 
 
 def _lifespan(engine: Engine, warmup: bool, graceful_timeout_s: float, on_ready: Callable[[], None] | None,
-              executor: ThreadPoolExecutor):
+              executors: Sequence[ThreadPoolExecutor]):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not engine.started:
@@ -113,7 +117,8 @@ def _lifespan(engine: Engine, warmup: bool, graceful_timeout_s: float, on_ready:
         # uvicorn has stopped accepting connections and waited for open ones; fail whatever is left.
         await asyncio.to_thread(engine.shutdown, True, graceful_timeout_s)
         await asyncio.to_thread(engine.shutdown, False, 10.0)
-        executor.shutdown(wait=False, cancel_futures=True)
+        for executor in executors:
+            executor.shutdown(wait=False, cancel_futures=True)
 
     return lifespan
 
@@ -138,10 +143,12 @@ def create_app(engine: Engine, *, served_model_name: str, warmup: bool = True, g
                          "in brackets: [::1])")
     metrics = ServerMetrics(engine)
     executor = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="jaxspec-text")
-    app = FastAPI(title="jaxspec", lifespan=_lifespan(engine, warmup, graceful_timeout_s, on_ready, executor))
+    score_executor = ThreadPoolExecutor(SCORE_WORKERS, thread_name_prefix="jaxspec-score")
+    app = FastAPI(title="jaxspec", lifespan=_lifespan(engine, warmup, graceful_timeout_s, on_ready,
+                                                      (executor, score_executor)))
     add_error_handlers(app, metrics)
     app.include_router(api_router(engine, served_model_name=served_model_name, metrics=metrics,
-                                  max_body_bytes=max_body_bytes, executor=executor))
+                                  max_body_bytes=max_body_bytes, executor=executor, score_executor=score_executor))
     mount_playground(app, engine, served_model_name=served_model_name, max_body_bytes=max_body_bytes,
                      executor=executor)
     app.add_middleware(AccessControl, metrics=metrics, api_key=api_key, allowed_hosts=allowed_hosts)

@@ -103,6 +103,15 @@ def submit(engine: Engine, requests: list[Request], tokenizer, stop: list[str]) 
     return choices
 
 
+def generating_nothing(count: int, tokenizer) -> list[Choice]:
+    """`count` choices that submit nothing (`max_tokens` 0 with echo: the prompt alone), each finished at once
+    with OpenAI's finish reason "length"."""
+    choices = [Choice(i, tokenizer, []) for i in range(count)]
+    for c in choices:
+        c.callback(Output(token_ids=[], finish_reason="length"))
+    return choices
+
+
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
     """(choice, text piece) from every choice as they come, then a final (choice, "") per choice. Closing the
     iterator early (the client went away) cancels the unfinished choices' engine requests."""
@@ -127,7 +136,7 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
         for t in tasks:
             t.cancel()
         for c in choices:
-            if c.finish_reason is None:
+            if c.finish_reason is None and c.handle is not None:
                 c.handle.cancel()  # the client went away: free the row
 
 

@@ -1,10 +1,10 @@
 """OpenAI's two `logprobs` formats, from the engine's per-token log-probabilities.
 
 Completions (the legacy format) list `tokens`, `token_logprobs`, `top_logprobs` (a dict per position of the
-`logprobs` most likely tokens, plus the chosen one, as OpenAI documents) and `text_offset`; chat lists one
-object per token under `content`, each with its `bytes` and its `top_logprobs`. A token is reported as the
-text of its own bytes: a byte-level token that holds part of a UTF-8 character reads as U+FFFD there, and
-its `bytes` are exact.
+`logprobs` most likely tokens, plus the chosen one, as OpenAI documents) and `text_offset`, after an echoed
+prompt's own (`jaxspec.serving.echo`); chat lists one object per token under `content`, each with its `bytes`
+and its `top_logprobs`. A token is reported as the text of its own bytes: a byte-level token that holds part of
+a UTF-8 character reads as U+FFFD there, and its `bytes` are exact.
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ class TokenText:
         return self._cache[token_id]
 
 
-def completion_logprobs(entries: list[Entry], text: TokenText) -> dict:
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def completion_logprobs(entries: list[Entry], text: TokenText, *, offset: int = 0,
+                        before: dict | None = None) -> dict:
+    """The legacy `logprobs` of `entries`, their text offsets moved by `offset` (the length of an echoed prompt's
+    text), after the lists of `before` (an echoed prompt's own `logprobs`) when given."""
+    out = {k: list(v) for k, v in before.items()} if before is not None else \
+        {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
         lp = e.logprob
         out["tokens"].append(text(lp.token_id)[0])
@@ -45,7 +49,7 @@ def completion_logprobs(entries: list[Entry], text: TokenText) -> dict:
         top = {text(t)[0]: v for t, v in lp.top}
         top.setdefault(text(lp.token_id)[0], lp.logprob)
         out["top_logprobs"].append(top)
-        out["text_offset"].append(e.text_offset)
+        out["text_offset"].append(e.text_offset + offset)
     return out
 
 

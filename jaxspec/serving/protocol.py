@@ -147,9 +147,12 @@ class CompletionRequest(_Generation):
     """The body of `POST /v1/completions` (the common fields are listed in the serving how-to)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]  # token ids: the engine checks the vocabulary
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 (the prompt alone, generating nothing) only with echo
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's range for completions
-    echo: bool = False  # refused: not supported
+    echo: bool = False  # the choice's text (and logprobs) start with its prompt's
+    # vLLM's extension: per prompt token its log-probability and rank, and the N most likely tokens there
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=16)  # taken only equal to n: each choice is its own best
 
     @property
@@ -157,12 +160,14 @@ class CompletionRequest(_Generation):
         """Most likely tokens to return per position, or None for no logprobs."""
         return self.logprobs
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _max_tokens_zero_needs_echo(self):
+        """max_tokens 0 asks for the prompt alone, which only echo returns. Raised as a RequestError (which
+        pydantic passes through) so the 400 names max_tokens: a check over two fields has no field of its own."""
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens: 0 generates nothing, which only echo=true asks for (it returns the "
+                               "prompt alone); send max_tokens >= 1 (got 0)", param="max_tokens")
+        return self
 
     @field_validator("best_of")
     @classmethod
@@ -192,6 +197,14 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # OpenAI's newer name for max_tokens
     logprobs: bool = False  # return each generated token's log-probability
     top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's range for chat
+    prompt_logprobs: int | None = None  # refused unless null: served on /v1/completions only
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, v):
+        if v is not None:
+            raise ValueError("prompt log-probabilities are served on /v1/completions only, not on chat")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod

@@ -1,7 +1,9 @@
 """Responses in OpenAI's completion and chat formats: one JSON body, or server-sent chunks as the text comes.
 
 A stream sends, per choice, chunks of text as they become final and one chunk with its finish reason (chat
-opens each choice with its role), then the usage when asked, then `data: [DONE]`. A request the engine failed
+opens each choice with its role; a completion that echoes its prompt or asked for `prompt_logprobs` opens with
+the prompt's text and log-probabilities, `jaxspec.serving.echo`), then the usage when asked, then
+`data: [DONE]`. A request the engine failed
 is a 500 with the error body, or, once a stream has started, an event carrying that body. Either way the
 request's latencies and finish reasons are recorded when it ends.
 """
@@ -11,12 +13,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from .choices import Choice, collect, merged
+from .echo import PromptPart
 from .errors import engine_failure
 from .logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
@@ -42,7 +45,8 @@ def sse(obj: dict) -> str:
 class ResponseFormat:
     """The OpenAI shape of one response: its id, object names, the layout of a choice, the logprobs format."""
 
-    def __init__(self, *, chat: bool, model: str, token_text: TokenText, wants_logprobs: bool):
+    def __init__(self, *, chat: bool, model: str, token_text: TokenText, wants_logprobs: bool,
+                 prompts: Sequence[PromptPart] | None = None):
         self.chat = chat  # chat completions, else (legacy) completions
         self.model = model  # the served model's name
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # the response's id, on every chunk
@@ -50,12 +54,22 @@ class ResponseFormat:
         self.final_object = "chat.completion" if chat else "text_completion"  # the one body's `object`
         self._token_text = token_text
         self._wants_logprobs = wants_logprobs
+        self._prompts = prompts  # per choice index, what it carries of its prompt (None: nothing)
 
-    def logprobs(self, entries: list[Entry]) -> dict | None:
-        """The `logprobs` of a choice (or of a chunk): None when the request did not ask."""
+    def prompt(self, c: Choice) -> PromptPart | None:
+        """What choice `c` carries of its prompt (echoed text, prompt log-probabilities), or None."""
+        return None if self._prompts is None else self._prompts[c.index]
+
+    def logprobs(self, entries: list[Entry], prompt: PromptPart | None = None, *, with_prompt: bool = False
+                 ) -> dict | None:
+        """The `logprobs` of a choice (or of a chunk): None when the request did not ask. After an echoed
+        `prompt` the text offsets move by its text's length, and `with_prompt` lists its tokens first."""
         if not self._wants_logprobs:
             return None
-        return (chat_logprobs if self.chat else completion_logprobs)(entries, self._token_text)
+        if self.chat:
+            return chat_logprobs(entries, self._token_text)
+        return completion_logprobs(entries, self._token_text, offset=len(prompt.text) if prompt else 0,
+                                   before=prompt.logprobs if prompt and with_prompt else None)
 
     def envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         """The response object around `choices`."""
@@ -67,24 +81,47 @@ class ResponseFormat:
         return self.envelope(self.chunk_object, [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}])
 
+    def prompt_chunk(self, c: Choice) -> dict | None:
+        """A completion stream's first chunk of a choice: its echoed prompt, with the prompt's logprobs and
+        prompt_logprobs when asked; None when the choice carries nothing of its prompt."""
+        prompt = self.prompt(c)
+        if prompt is None:
+            return None
+        choice = {"index": c.index, "text": prompt.text, "logprobs": self.logprobs([], prompt, with_prompt=True),
+                  "finish_reason": None}
+        return self.envelope(self.chunk_object, [_with_prompt_logprobs(choice, prompt)])
+
     def piece_chunk(self, c: Choice, piece: str, finish: str | None) -> dict:
         """A streamed chunk: a piece of a choice's text (with the logprobs of the tokens taken since the last)."""
         text = {"delta": {"content": piece} if piece else {}} if self.chat else {"text": piece}
-        choice = {"index": c.index, **text, "logprobs": self.logprobs(c.take_logprobs()), "finish_reason": finish}
+        choice = {"index": c.index, **text, "logprobs": self.logprobs(c.take_logprobs(), self.prompt(c)),
+                  "finish_reason": finish}
         return self.envelope(self.chunk_object, [choice])
 
     def final_choice(self, c: Choice, text: str) -> dict:
-        """A choice of the one-body response."""
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": c.index, **body, "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason}
+        """A choice of the one-body response (a completion's text after its echoed prompt)."""
+        prompt = self.prompt(c)
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else \
+            {"text": (prompt.text if prompt else "") + text}
+        choice = {"index": c.index, **body, "logprobs": self.logprobs(c.logprobs, prompt, with_prompt=True),
+                  "finish_reason": c.finish_reason}
+        return _with_prompt_logprobs(choice, prompt)
+
+
+def _with_prompt_logprobs(choice: dict, prompt: PromptPart | None) -> dict:
+    """`choice` with vLLM's `prompt_logprobs` when the request asked for them."""
+    if prompt is not None and prompt.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt.prompt_logprobs
+    return choice
 
 
 async def _events(fmt: ResponseFormat, body, choices: list[Choice], prompt_tokens: int, arrived: float,
                   metrics: ServerMetrics) -> AsyncIterator[str]:
     try:
-        if fmt.chat:
-            for c in choices:
-                yield sse(fmt.role_chunk(c))
+        for c in choices:
+            opening = fmt.role_chunk(c) if fmt.chat else fmt.prompt_chunk(c)
+            if opening is not None:
+                yield sse(opening)
         async for c, piece in merged(choices):
             done = piece == "" and c.finish_reason is not None
             if piece or done:
@@ -100,11 +137,13 @@ async def _events(fmt: ResponseFormat, body, choices: list[Choice], prompt_token
 
 
 async def respond(request: HTTPRequest, body, choices: list[Choice], prompt_tokens: int, arrived: float, *,
-                  chat: bool, model: str, token_text: TokenText, metrics: ServerMetrics):
+                  chat: bool, model: str, token_text: TokenText, metrics: ServerMetrics,
+                  prompts: Sequence[PromptPart] | None = None):
     """The response to a submitted request (`body`, its `choices`): a `StreamingResponse` of server-sent chunks
-    when `body.stream`, else the whole response object (RequestError 500 when the engine failed the request)."""
+    when `body.stream`, else the whole response object (RequestError 500 when the engine failed the request).
+    `prompts`: per choice, what it carries of its prompt (`jaxspec.serving.echo`), or None."""
     fmt = ResponseFormat(chat=chat, model=model, token_text=token_text,
-                         wants_logprobs=body.top_logprobs_wanted is not None)
+                         wants_logprobs=body.top_logprobs_wanted is not None, prompts=prompts)
     if body.stream:
         return StreamingResponse(_events(fmt, body, choices, prompt_tokens, arrived, metrics),
                                  media_type="text/event-stream")

@@ -3,7 +3,9 @@
 A generation route reads and validates the body, translates it into engine requests (one per choice and
 prompt), submits them all or none, and responds in OpenAI's format (`jaxspec.serving.responses`). A request with
 more choices than the engine's slots and queue hold together can never be served, so it is a 400 (not the
-retryable 429 of a queue that is full now), the same on both endpoints.
+retryable 429 of a queue that is full now), the same on both endpoints. A completion that echoes its prompt or
+asks for `prompt_logprobs` has its prompts scored first (`jaxspec.serving.echo`); with `max_tokens` 0 (echo
+only) its requests are checked as one token's and nothing is submitted.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine import Engine
 from .bodies import read_request
-from .choices import submit
+from .choices import generating_nothing, submit
+from .echo import PromptScorer
 from .logprobs import TokenText
 from .metrics import ServerMetrics
 from .protocol import MAX_MESSAGE_CHARS, ChatCompletionRequest, CompletionRequest, RequestError, clipped
@@ -36,13 +39,15 @@ def check_choices(engine: Engine, num_prompts: int, n: int, param: str) -> None:
 
 
 def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics, max_body_bytes: int,
-               executor: Executor | None = None) -> APIRouter:
+               executor: Executor | None = None, score_executor: Executor | None = None) -> APIRouter:
     """The routes over `engine`, serving its model as `served_model_name`; bodies over `max_body_bytes` get 413.
-    Large bodies are parsed, and text tokenized, in `executor` (None: asyncio's default pool)."""
+    Large bodies are parsed, and text tokenized, in `executor`, and prompts scored (echo, prompt_logprobs) in
+    `score_executor` (None: asyncio's default pool)."""
     router = APIRouter()
     translator = Translator(engine, served_model_name, executor)
     tokenizer = engine.lm.tokenizer
     token_text = TokenText(tokenizer)
+    scorer = PromptScorer(engine, token_text, score_executor)
     created = int(time.time())
 
     @router.get("/health")
@@ -74,15 +79,20 @@ def api_router(engine: Engine, *, served_model_name: str, metrics: ServerMetrics
         check_choices(engine, len(prompts), body.n, "prompt")  # refused before any work
         ids_list = await translator.encode_all(prompts, "prompt")
         await translator.compile_response_format(body, request)
+        nothing = body.max_tokens == 0  # echo alone: checked as one token's requests, never submitted
+        checked = body.model_copy(update={"max_tokens": 1}) if nothing else body
         requests = []
         for ids in ids_list:
             if not ids:
                 raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-            requests += await translator.engine_requests(body, ids, prompt_param="prompt", default_max=16,
+            requests += await translator.engine_requests(checked, ids, prompt_param="prompt", default_max=16,
                                                          logprobs_param="logprobs")
-        choices = submit(engine, requests, tokenizer, body.stop_strings)
+        parts = await scorer.parts(body, prompts, ids_list)  # None without echo or prompt_logprobs
+        choices = (generating_nothing(len(requests), tokenizer) if nothing
+                   else submit(engine, requests, tokenizer, body.stop_strings))
         return await respond(request, body, choices, sum(len(ids) for ids in ids_list), arrived, chat=False,
-                             model=served_model_name, token_text=token_text, metrics=metrics)
+                             model=served_model_name, token_text=token_text, metrics=metrics,
+                             prompts=None if parts is None else [parts[c.index // body.n] for c in choices])
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
