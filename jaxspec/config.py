@@ -302,11 +302,12 @@ class SpecConfig:
     # shape and cached on disk. None (the default) is True for a batch of more than one row and False for one:
     # at 8 rows one drafting row makes the whole batch pay a wide forward (on XLA:CPU c(9) is several plain
     # steps), which the narrowest-width rule pays for with a slowdown below plain decoding and the cost-aware one
-    # declines; at one row the matched-length rule is tuned and drafts more. The first call of a shape pays for
-    # the measurement (compiling and timing six widths' forwards: tens of seconds on a small CPU);
-    # JAXSPEC_VERIFY_COST=off switches it off. EAGLE-2 and EAGLE-3 trees (drafted best node first) choose by cost
-    # at one row too: scoring only the nodes the cost repays is faster than scoring the whole 15-node tree. So
-    # does sam drafting from a corpus, which then beats the narrowest-width rule on code and chat alike
+    # declines; at one row the matched-length rule is tuned and drafts more. No call waits for the measurement:
+    # until a shape's table is measured (compiling and timing its widths' forwards, on a background thread between
+    # generations) a prior from the model's bytes and FLOPs per width stands in (`jaxspec.cost.verify_cost`);
+    # JAXSPEC_VERIFY_COST=off switches cost awareness off. EAGLE-2 and EAGLE-3 trees (drafted best node first)
+    # choose by cost at one row too: scoring only the nodes the cost repays is faster than scoring the whole
+    # 15-node tree. So does sam drafting from a corpus, which then beats the narrowest-width rule on code and chat alike
     # (docs/benchmarks.md has the figures).
     cost_aware: bool | None = None
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head

@@ -17,16 +17,25 @@ row whose drafts keep failing stops paying for wide forwards, one whose drafts k
 choice uses the rate plus an exploration bonus that shrinks as 1 / sqrt(drafts scored) (an upper confidence
 bound): the estimate only moves when drafts are scored, so a row whose prior rate never repays a wider forward
 would otherwise never draft and never learn that its drafts land.
+
+A shape's table is never waited for: until it is measured, `verify_cost` answers with a prior computed from the
+model's sizes and the device (`prior_verify_cost`: bytes read and FLOPs per width, against the platform's balance
+of the two) and measures the real table on a background thread while no generation runs, logging a line with the
+time it took; later calls, and later processes (the table is kept on disk), get the measurement.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import hashlib
 import inspect
 import json
+import logging
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +50,10 @@ PRIOR_RATE = 0.5  # a row's acceptance rate before it has drafted
 PRIOR_WEIGHT = 4.0  # ... weighted as this many drafted tokens
 EXPLORATION = 0.5  # the bonus: this over sqrt(drafted + PRIOR_WEIGHT), 0.25 before a row's first draft
 CACHE_ENV = "JAXSPEC_VERIFY_COST"  # "off": never measure (narrowest width holding the drafts); else a directory
+# An unmeasured shape: answer with the prior and measure in the background (True), or measure before answering.
+BACKGROUND = True
+
+_log = logging.getLogger(__name__)
 
 _MEMO: dict[str, tuple[float, ...]] = {}  # key -> c(w) for the sorted widths timed (1 first)
 _SHAPES: dict[str, dict] = {}  # key -> the shapes it was measured at, for reports
@@ -167,6 +180,15 @@ def _key(lm, batch: int, cache_len: int, widths: tuple[int, ...], cached: int, a
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
+def _table_key(lm, batch: int, cache_len: int, widths: tuple[int, ...], cached: int,
+               attention_impl: str) -> tuple[tuple[int, ...], int, str]:
+    """(the widths timed: 1 and `widths`, sorted; `cached` clamped so the widest forward fits the cache; the
+    table's key)."""
+    timed = tuple(sorted({1, *widths}))
+    cached = max(0, min(cached, cache_len - max(timed)))
+    return timed, cached, _key(lm, batch, cache_len, timed, cached, attention_impl)
+
+
 def _cache_file() -> Path | None:
     where = os.environ.get(CACHE_ENV, "")
     if where == "off":
@@ -180,6 +202,53 @@ def enabled() -> bool:
     return os.environ.get(CACHE_ENV, "") != "off"
 
 
+# FLOPs per byte read at which a forward turns from bound by memory to bound by compute: an accelerator's peak
+# matmul rate over its memory bandwidth (a few hundred on current GPUs and TPUs), and on a CPU what XLA's and the
+# matmul kernel's products reach on a few cores. Only the prior uses it; a measured table replaces the prior.
+_BALANCE = {"cpu": 16.0, "gpu": 200.0, "tpu": 200.0}
+
+
+def prior_verify_cost(lm, *, batch: int, widths: tuple[int, ...], cached: int) -> tuple[float, ...]:
+    """c(w) predicted from the model's sizes alone, nothing compiled or run: a forward over w new tokens per row
+    reads every weight once and each row's K/V of `cached` + w slots, and does 2 FLOPs per weight and new token
+    plus attention's over those slots. It takes as long as the larger of its bytes and its FLOPs over the
+    platform's balance (`_BALANCE`) make it; c(w) is that over a one-token forward's. So a forward bound by
+    memory costs about one plain step at any width, and one bound by compute grows with w (wide widths at many
+    rows, on a CPU)."""
+    from .generation import kv_bytes_per_slot  # generation imports this module
+
+    leaves = jax.tree.leaves(lm.params)
+    params = sum(x.size for x in leaves)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+    kv_bytes = kv_bytes_per_slot(lm)  # one row, one slot
+    kv_elements = kv_bytes / max(1, max(x.dtype.itemsize for x in leaves))
+    queries_per_kv = getattr(lm.config, "q_per_kv", 1)
+    balance = _BALANCE.get(jax.devices()[0].platform, _BALANCE["gpu"])
+
+    def seconds(w: int) -> float:  # in units of one byte's read time
+        slots = cached + w
+        memory = weight_bytes + batch * slots * kv_bytes
+        flops = 2.0 * batch * w * (params + slots * kv_elements * queries_per_kv)
+        return max(memory, flops / balance)
+
+    one = seconds(1)
+    return tuple(float(np.float32(seconds(w) / one)) for w in widths)
+
+
+def verify_cost(lm, *, batch: int, cache_len: int, widths: tuple[int, ...], cached: int,
+                attention_impl: str = "xla") -> tuple[float, ...]:
+    """c(w) for each width, without waiting for a measurement: the measured table where this process or the disk
+    holds one (`measure_verify_cost`), else the prior (`prior_verify_cost`) while the table is measured on a
+    background thread, between generations (`generating`); with BACKGROUND False, measured before answering."""
+    timed, clamped, key = _table_key(lm, batch, cache_len, widths, cached, attention_impl)
+    measure = functools.partial(measure_verify_cost, lm, batch=batch, cache_len=cache_len, widths=widths,
+                                cached=cached, attention_impl=attention_impl)
+    if not BACKGROUND or key in _MEMO or _load(key) is not None:
+        return measure()
+    _BACKGROUND_JOBS.submit(key, measure, f"batch {batch}, cache {cache_len}, {clamped} cached, widths {timed}")
+    return prior_verify_cost(lm, batch=batch, widths=widths, cached=clamped)
+
+
 def measure_verify_cost(lm, *, batch: int, cache_len: int, widths: tuple[int, ...], cached: int,
                         attention_impl: str = "xla", repeats: int = 7) -> tuple[float, ...]:
     """c(w) for each width: the time of a target forward over w new tokens per row divided by the time of a
@@ -189,19 +258,19 @@ def measure_verify_cost(lm, *, batch: int, cache_len: int, widths: tuple[int, ..
     alike. The result is remembered for the process and in a JSON file under ~/.cache/jaxspec (or the
     directory in JAXSPEC_VERIFY_COST), keyed by model, machine, software and shapes.
     """
-    timed = tuple(sorted({1, *widths}))
-    cached = max(0, min(cached, cache_len - max(timed)))
-    key = _key(lm, batch, cache_len, timed, cached, attention_impl)
-    if key not in _MEMO:
-        _MEMO[key] = _load(key) or _measure(lm, batch, cache_len, timed, cached, attention_impl, repeats, key)
+    timed, cached, key = _table_key(lm, batch, cache_len, widths, cached, attention_impl)
+    table = _MEMO.get(key)
+    if table is None:
+        table = _load(key) or _measure(lm, batch, cache_len, timed, cached, attention_impl, repeats, key)
+        _MEMO[key] = table
         _SHAPES[key] = dict(batch=batch, cache_len=cache_len, widths=timed, cached=cached)
-    costs = dict(zip(timed, _MEMO[key]))
+    costs = dict(zip(timed, table))
     return tuple(costs[w] for w in widths)
 
 
 def measured() -> list[dict]:
     """The cost tables this process measured or loaded: batch, cache_len, widths, cached and costs c(w)."""
-    return [dict(_SHAPES[key], costs=_MEMO[key]) for key in _SHAPES]
+    return [dict(shape, costs=_MEMO[key]) for key, shape in list(_SHAPES.items()) if key in _MEMO]
 
 
 def _load(key: str) -> tuple[float, ...] | None:
@@ -246,13 +315,140 @@ def _measure(lm, batch: int, cache_len: int, widths: tuple[int, ...], cached: in
         return time.perf_counter() - t0
 
     for w in widths:  # compile and warm each width first
+        _BACKGROUND_JOBS.pause_while_generating()
         run(w)
         run(w)
     samples = {w: [] for w in widths}
-    for _ in range(repeats):
-        for w in widths:
-            samples[w].append(run(w))
+    while len(samples[1]) < repeats:  # rounds that overlapped a generation timed the contention: timed again
+        started = _BACKGROUND_JOBS.pause_while_generating()
+        round_ = {w: run(w) for w in widths}
+        if _BACKGROUND_JOBS.undisturbed_since(started):
+            for w in widths:
+                samples[w].append(round_[w])
     base = statistics.median(samples[1])
     costs = tuple(float(np.float32(statistics.median(samples[w]) / base)) for w in widths)
     _store(key, costs)
     return costs
+
+
+class _Stopped(Exception):
+    """The process is exiting: a background measurement gives up between forwards."""
+
+
+class _BackgroundMeasurements:
+    """Verify-cost tables measured on one daemon thread, one shape at a time, while no generation runs.
+
+    A generation in flight (`generating`) pauses the thread before each compile and each timing round, and a
+    round it overlapped is timed again: a forward timed beside a decode loop measures the contention. At exit
+    the thread stops between forwards (it is joined, so no compile is cut off mid-way)."""
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._jobs: dict[str, tuple] = {}  # key -> (measure, what), in submission order
+        self._thread: threading.Thread | None = None
+        self._busy = 0  # generations in flight
+        self._started = 0  # generations started so far
+        self._stopping = False
+
+    def submit(self, key: str, measure, what: str) -> None:
+        with self._lock:
+            if key in self._jobs or self._stopping:
+                return
+            self._jobs[key] = (measure, what)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxspec-verify-cost", daemon=True)
+                self._thread.start()
+
+    def pending(self) -> int:
+        """Tables submitted and not yet measured."""
+        with self._lock:
+            return len(self._jobs)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted table is measured (True) or `timeout` seconds pass (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._jobs:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    @contextlib.contextmanager
+    def generating(self):
+        with self._lock:
+            self._busy += 1
+            self._started += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._lock.notify_all()
+
+    def pause_while_generating(self) -> int:
+        """On the measuring thread: wait until no generation runs; returns the count of generations started so
+        far. Elsewhere (a measurement asked for directly) returns at once."""
+        if threading.current_thread() is not self._thread:
+            return 0
+        with self._lock:
+            while self._busy and not self._stopping:
+                self._lock.wait(0.5)
+            if self._stopping:
+                raise _Stopped
+            return self._started
+
+    def undisturbed_since(self, started: int) -> bool:
+        """Whether no generation ran since `pause_while_generating` returned `started` (always, off the thread)."""
+        if threading.current_thread() is not self._thread:
+            return True
+        with self._lock:
+            return self._busy == 0 and self._started == started
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs or self._stopping:
+                    self._thread = None
+                    self._jobs.clear()
+                    self._lock.notify_all()
+                    return
+                key, (measure, what) = next(iter(self._jobs.items()))
+            try:
+                self.pause_while_generating()  # nothing, not even a compile, beside a generation
+                t0 = time.perf_counter()
+                costs = measure()
+                _log.info("measured the verify cost c(w) = %s at %s in %.1f s",
+                          ", ".join(f"{c:.2f}" for c in costs), what, time.perf_counter() - t0)
+            except _Stopped:
+                pass
+            except Exception:  # the prior stays in use; the next process measures again
+                _log.warning("measuring the verify cost at %s failed", what, exc_info=True)
+            with self._lock:
+                self._jobs.pop(key, None)
+                self._lock.notify_all()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+            self._lock.notify_all()
+        if thread is not None:
+            thread.join()
+
+
+_BACKGROUND_JOBS = _BackgroundMeasurements()
+atexit.register(_BACKGROUND_JOBS.stop)
+
+
+def generating():
+    """A context manager marking a generation in flight (`generate`, a rollout): background measurements pause."""
+    return _BACKGROUND_JOBS.generating()
+
+
+def wait_measured(timeout: float | None = None) -> bool:
+    """Block until every verify-cost table started in the background is measured (True), or `timeout` seconds
+    pass (False). A benchmark calls it after its warm-up, so that its timed calls run with measured tables and
+    no measurement beside them."""
+    return _BACKGROUND_JOBS.wait(timeout)

@@ -496,8 +496,8 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
         # Costs at a cache about half filled with output, the middle of the run, rounded down to the cache's
         # alignment: the table is keyed by it, and calls whose prompts differ by a few tokens share one.
         middle = max(prompt_lens) + req.max_new_tokens // 2
-        costs = cost.measure_verify_cost(lm, batch=batch, cache_len=cache_len, widths=widths,
-                                         cached=middle - middle % CACHE_ALIGN, attention_impl=req.attention_impl)
+        costs = cost.verify_cost(lm, batch=batch, cache_len=cache_len, widths=widths,
+                                 cached=middle - middle % CACHE_ALIGN, attention_impl=req.attention_impl)
         verify_cost = jnp.asarray(costs, jnp.float32)
     prepared = Prepared(
         prompts=jnp.asarray(padded), prompt_lens=jnp.asarray(prompt_lens, jnp.int32), sampling=req.sampling,
@@ -632,7 +632,7 @@ def generate(
     p = _prepare(lm, req)
 
     t0 = time.perf_counter()
-    with sharding.use_rules(lm.mesh, lm.rules):  # nothing without a mesh
+    with sharding.use_rules(lm.mesh, lm.rules), cost.generating():  # a background cost measurement waits
         state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
                         p.logprob_rows, constraint=p.constraint, proposer=p.proposer, cache_len=p.cache_len,
                         buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs, track_counts=p.track_counts)

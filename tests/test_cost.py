@@ -113,6 +113,7 @@ def test_unset_cost_awareness_means_above_one_row():
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv(cost.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cost, "BACKGROUND", False)  # measured before the call that asks: these tests read the table
     cost._MEMO.clear()
     yield tmp_path
     cost._MEMO.clear()
@@ -318,3 +319,50 @@ def test_switched_off_by_the_environment(tiny_lm, prompts, monkeypatch):
     p = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8,
                         spec=SpecConfig(method="sam", cost_aware=True))
     assert p.verify_cost is None
+
+
+def test_the_prior_is_one_plain_step_when_memory_bounds_and_grows_when_compute_does(tiny_lm):
+    """The prior from the model's sizes: c(1) = 1, never below one plain step, never falling with the width; at
+    many rows the FLOPs of a wide forward outweigh its reads and c(w) grows towards w."""
+    widths = (1, 2, 3, 5, 9, 17)
+    one_row = cost.prior_verify_cost(tiny_lm, batch=1, widths=widths, cached=32)
+    many = cost.prior_verify_cost(tiny_lm, batch=512, widths=widths, cached=32)
+    for table in (one_row, many):
+        assert table[0] == 1.0 and all(c >= 1.0 for c in table)
+        assert all(a <= b for a, b in zip(table, table[1:]))
+    assert many[-1] > 2 * one_row[-1]
+    assert many[-1] <= 17.5
+
+
+def test_an_unmeasured_shape_answers_with_the_prior_and_measures_between_calls(tiny_lm, prompts, tmp_path,
+                                                                                 monkeypatch):
+    """`prepare` never waits for a measurement: the first call of a shape gets the prior at once, the table is
+    measured on the background thread (only while no generation runs), and the next call gets the measurement."""
+    import threading
+
+    monkeypatch.setenv(cost.CACHE_ENV, str(tmp_path))
+    cost._MEMO.clear()
+    started, release, threads = threading.Event(), threading.Event(), []
+
+    def measure(lm, batch, cache_len, widths, cached, attention_impl, repeats, key):
+        threads.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(30)
+        cost._store(key, tuple(float(w) for w in widths))
+        return tuple(float(w) for w in widths)
+
+    monkeypatch.setattr(cost, "_measure", measure)
+    sam = SpecConfig(method="sam")
+    with cost.generating():  # a generation in flight: nothing is measured beside it
+        p = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8, spec=sam)
+        prior = cost.prior_verify_cost(tiny_lm, batch=len(prompts), widths=p.widths, cached=0)
+        assert p.verify_cost.tolist() == pytest.approx(list(prior))  # the prior (a cache this short: 0 cached)
+        assert not started.wait(1.0)
+    assert started.wait(30)  # the generation ended: the measurement starts
+    assert cost.wait_measured(timeout=0.1) is False
+    release.set()
+    assert cost.wait_measured(timeout=30)
+    assert threads == ["jaxspec-verify-cost"]
+    p = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8, spec=sam)
+    assert p.verify_cost.tolist() == [float(w) for w in p.widths]  # measured: what `_measure` returned
+    cost._MEMO.clear()

@@ -34,9 +34,10 @@ MIXED = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=
 @pytest.fixture(scope="module", autouse=True)
 def _measured_costs(tmp_path_factory):
     """The tail policy weighs forward costs measured here, in a folder of this module's (the suite switches
-    measuring off elsewhere)."""
+    measuring off elsewhere), before the rollout that asks for them: each run sees the same table."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(jaxspec.cost.CACHE_ENV, str(tmp_path_factory.mktemp("verify_cost")))
+        mp.setattr(jaxspec.cost, "BACKGROUND", False)
         yield
 
 

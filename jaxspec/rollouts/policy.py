@@ -11,7 +11,8 @@ Before each chunk the policy picks the cap K (0, or w - 1 for a compiled verify 
     (1 + m(K)) / c_b(K + 1)          (plain decoding: 1 / 1)
 
 where c_b(w) is the measured cost of a forward over w new tokens per row at the current batch b, in plain
-steps (`jaxspec.cost.measure_verify_cost`, measured once per machine and shape and cached on disk), and
+steps (`jaxspec.cost.verify_cost`: measured once per machine and shape and cached on disk, a prior from the
+model's sizes until then), and
 m(K) = r_0 + ... + r_{K-1} the expected accepted drafts per row and step: r_j is the measured rate of accepted
 drafts at position j per active row-step, over recent chunks that allowed position j (older chunks decay).
 Positions never measured are extrapolated from the ones that were (a geometric tail), and before anything

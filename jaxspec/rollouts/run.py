@@ -193,18 +193,19 @@ class _Rollout:
         return sharding.put_rows(tree, lm.mesh, lm.rules, batch)
 
     def _verify_cost(self, batch: int) -> dict[int, float] | None:
-        """c(w) at this batch size, measured once per machine and shape (None when measuring is off)."""
+        """c(w) at this batch size, measured once per machine and shape, the prior until then (`jaxspec.cost.
+        verify_cost`; None when measuring is off)."""
         if not cost.enabled() or len(self.widths) < 2:
             return None
         cached = int(self.prompt_lens.max()) + self.inputs.max_new_tokens // 2
-        costs = cost.measure_verify_cost(self.lm, batch=batch, cache_len=self.cache_len, widths=self.widths,
-                                         cached=cached, attention_impl=self.attention_impl, repeats=3)
+        costs = cost.verify_cost(self.lm, batch=batch, cache_len=self.cache_len, widths=self.widths,
+                                 cached=cached, attention_impl=self.attention_impl)
         return dict(zip(self.widths, costs))
 
     # ------------------------------------------------------------------ the loop
 
     def run(self, shared_prefill: bool = True) -> RolloutResult:
-        with sharding.use_rules(self.lm.mesh, self.lm.rules):  # nothing without a mesh
+        with sharding.use_rules(self.lm.mesh, self.lm.rules), cost.generating():  # nothing without a mesh
             return self._run(shared_prefill)
 
     def _run(self, shared_prefill: bool) -> RolloutResult:

@@ -15,3 +15,10 @@ The two largest benchmarks keep their pieces in subpackages: spec/ (scripts/benc
 (scripts/bench_serve.py; serve/engine.py is `bench_serve.py --engine`). The scripts run as
 `python scripts/bench_x.py`, so Python puts scripts/ on sys.path and `import benchkit` finds this package.
 """
+
+import jaxspec.cost
+
+# A timed call must not share the machine with a verify-cost measurement running in the background (the library's
+# default, `jaxspec.cost.BACKGROUND`): the benchmarks measure a shape's table before the first call that needs it,
+# as a warm-up. scripts/bench_compile.py measures the default itself.
+jaxspec.cost.BACKGROUND = False
