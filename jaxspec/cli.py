@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -72,8 +73,13 @@ def generate_main(argv: Sequence[str] | None = None, prog: str = f"{PROG} genera
         sampling = jaxspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                           min_p=args.min_p, seed=args.seed)
         spec = jaxspec.SpecConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens)
-        jaxspec.enable_compilation_cache()
+        cache = jaxspec.enable_compilation_cache()
+        # Progress on stderr: loading and a first run's compile take seconds each, silently otherwise.
+        t0 = time.perf_counter()
+        print(f"[loading {args.model}]", file=sys.stderr, flush=True)
         lm = jaxspec.load_model(args.model, dtype=args.dtype)
+        print(f"[loaded in {time.perf_counter() - t0:.1f} s; generating: a first run of these shapes compiles first, "
+              f"later ones read the compiled programs from {cache}]", file=sys.stderr, flush=True)
         prompt = args.prompt
         if args.chat:
             if lm.tokenizer is None or lm.tokenizer.chat_template is None:

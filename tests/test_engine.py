@@ -487,6 +487,8 @@ def test_warmup_compiles_every_batched_prefill(tiny_lm, fresh_engine, caplog):
                           observers=[lambda kind, info: admits.append(info["prefill_batch"]) if kind == "admit" else 0])
     engine.start(warmup=True)
     assert engine.ready.wait(TIMEOUT_S) and engine.failed is None
+    assert engine.wait_compiled(TIMEOUT_S)  # the speculative chunks and longer prefills, compiled on a thread
+    assert engine.runner.speculating == (1, 4)
     with caplog.at_level(logging.DEBUG, logger="jax._src.interpreters.pxla"):
         for requests in bursts:
             for req, c in zip(requests, _run_together(engine, requests)):
@@ -504,6 +506,42 @@ def test_warmup_compiles_every_batched_prefill(tiny_lm, fresh_engine, caplog):
     assert admits == [1, 1] + [1, 2, 2] + [1, 3, 3, 3] + [1, 4, 4, 4, 4] + [1, 3, 3, 3]  # each burst behind a holder
     compiled = [r.getMessage()[:80] for r in caplog.records if _PROGRAMS.search(r.getMessage())]
     assert not compiled, compiled
+
+
+def test_warmup_serves_plainly_while_speculation_compiles(tiny_lm, fresh_engine, monkeypatch):
+    """By default warm-up compiles each bucket's chunk at verify width 1 and serves at once; the speculative chunk
+    compiles on a thread. A request served before it is ready decodes plainly (nothing scored as a draft), one
+    served after speculates, and both give the offline greedy tokens."""
+    from jaxspec.engine.runner import Runner
+
+    gate = threading.Event()
+    compile_ahead = Runner._compile_ahead
+    monkeypatch.setattr(Runner, "_compile_ahead", lambda self, work: gate.wait(TIMEOUT_S) and compile_ahead(
+        self, work))
+    engine = fresh_engine(dataclasses.replace(CONFIG, slot_buckets=(1, 4)))
+    engine.start(warmup=True)
+    assert engine.ready.wait(TIMEOUT_S) and engine.failed is None
+    assert engine.runner.speculating == () and not engine.wait_compiled(0.1)
+    request = Request(PROMPTS[0], N, method="sam")
+    before = run_all(engine, [request])[0]
+    assert before.tokens == offline(tiny_lm, PROMPTS[0])[:N]
+    assert before.final.stats.drafted == 0 and before.final.stats.steps > 0
+    gate.set()
+    assert engine.wait_compiled(TIMEOUT_S) and engine.runner.speculating == (1, 4)
+    after = run_all(engine, [request])[0]
+    assert after.tokens == before.tokens
+    assert after.final.stats.drafted > 0 and after.final.stats.accepted > 0
+    assert after.final.stats.steps < before.final.stats.steps
+
+
+def test_warmup_without_background_compiles_speculation_first(tiny_lm, fresh_engine):
+    engine = fresh_engine(dataclasses.replace(CONFIG, slot_buckets=(1, 4), background_compile=False))
+    engine.start(warmup=True)
+    assert engine.ready.wait(TIMEOUT_S) and engine.failed is None
+    assert engine.runner.speculating == (1, 4) and engine.wait_compiled(0)
+    c = run_all(engine, [Request(PROMPTS[0], N, method="sam")])[0]
+    assert c.tokens == offline(tiny_lm, PROMPTS[0])[:N]
+    assert c.final.stats.drafted > 0 and c.final.stats.accepted > 0
 
 
 # ---------------------------------------------------------------------- stops and budgets

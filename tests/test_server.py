@@ -44,10 +44,13 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _serving(extra_args: list[str], log: Path):
-    """`python scripts/serve.py` on a free port with `extra_args`, until it answers /health; SIGINT at the end."""
+    """`python scripts/serve.py` on a free port with `extra_args`, until it answers /health; SIGINT at the end.
+    Speculation is compiled before /health answers (--no-background-compile) unless `extra_args` says
+    --background-compile: a test that counts drafts must not race the compiling thread."""
     port = _free_port()
+    compiling = [] if "--background-compile" in extra_args else ["--no-background-compile"]
     cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--port", str(port), "--log-level", "warning",
-           *extra_args]
+           *compiling, *extra_args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"

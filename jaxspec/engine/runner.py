@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Sequence
 
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import sharding
 from ..config import SamplingParams, SpecConfig
 from ..constrained import ConstraintRows, ForcedTokenProposer
 from ..constraints import FREE, stack
@@ -103,6 +105,20 @@ class EngineMetrics:
         self.num_slots = len(rows)
 
 
+def _shapes(tree):
+    """The arrays of `tree` as shapes (dtype, weak type and placement kept): what a program is lowered against on
+    the compiling thread, which must not hold the batch's arrays (the loop's chunks donate them)."""
+    def shape(x):
+        if not isinstance(x, jax.Array):
+            return x
+        # An array not committed to its device lowers without a placement, as jit lowers it for the loop's call:
+        # the same program, so the persistent cache's entry serves that call.
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None,
+                                    weak_type=x.weak_type)
+
+    return jax.tree.map(shape, tree)
+
+
 class Runner:
     """The engine's batch on the device and the programs over it; only the engine's loop thread calls it."""
 
@@ -150,6 +166,13 @@ class Runner:
         self._stacked: list = []
         self._steps_read = 0  # the loop's step counter at the last read (a regroup keeps the old batch's)
         self._settings = (None, None)  # (key, (sampling, limits)) of the last chunk's rows (`_batch_settings`)
+        # Slot buckets whose speculative chunk the compiling thread has compiled (`warmup`). Until a bucket is here,
+        # `_decode` runs its chunk at verify width 1 (`_plain_until_compiled`): every row decodes plainly, and the
+        # proposers keep their state, so the first chunk that speculates drafts from the whole text.
+        self._speculating: set[int] = set()
+        self._plain_until_compiled = False
+        self._compiling: threading.Thread | None = None
+        self._stop_compiling = threading.Event()
 
     @property
     def num_slots(self) -> int:
@@ -379,11 +402,22 @@ class Runner:
     def _decode(self, rows: Sequence[LiveRequest | None], caps: np.ndarray) -> DecodeState:
         """Up to chunk_steps decode steps over the batch; caps i32[max_slots + 1] (`SpeculationPolicy`)."""
         sampling, limits = self._batch_settings(rows)
+        plain = self._plain_until_compiled and self.num_slots not in self._speculating
         self.state = decode_chunk(self.lm.graphdef, self.lm.params, self.state, sampling, limits,
-                                  MixedParams(jnp.asarray(caps), self._member_params), proposer=self.proposer,
-                                  widths=self.widths, attention_impl=self.attention_impl,
-                                  num_steps=self.config.chunk_steps)
+                                  MixedParams(jnp.asarray(caps), self._member_params), **self._chunk_settings(plain))
         return self.state
+
+    def _chunk_settings(self, plain: bool) -> dict:
+        """`decode_chunk`'s static settings: every verify width, or (plain) width 1 alone."""
+        return dict(proposer=self.proposer, widths=(1,) if plain else self.widths,
+                    attention_impl=self.attention_impl, num_steps=self.config.chunk_steps)
+
+    @property
+    def speculating(self) -> tuple[int, ...]:
+        """The slot buckets whose chunks score drafts now (all of them, unless `warmup` left some compiling)."""
+        if not self._plain_until_compiled:
+            return self.config.slot_buckets
+        return tuple(n for n in self.config.slot_buckets if n in self._speculating)
 
     def run_chunk(self, rows: Sequence[LiveRequest | None], caps: np.ndarray) -> ChunkResult:
         """Run a chunk over the batch whose slots hold `rows`, read back what each occupied row committed since
@@ -443,14 +477,25 @@ class Runner:
 
     # ------------------------------------------------------------------ compiling ahead
 
-    def warmup(self) -> None:
-        """Compile before the first request: the chunk (and its log-probability readback) for every slot bucket,
-        the prefill for every prompt bucket and prefill batch size, and the writes of every prefill batch size
-        that fits a slot bucket into it. Leaves a batch of the smallest bucket, every row finished."""
+    def warmup(self, background: bool = True) -> None:
+        """Compile what the first requests need: for every slot bucket a chunk and its log-probability readback,
+        and the prefill of the smallest prompt bucket at every prefill batch size with its writes. Leaves a batch
+        of the smallest bucket, every row finished.
+
+        With `background` (and several verify widths), the chunks compiled here score at width 1 alone: one
+        target forward per program instead of one per width, so the engine serves, plainly, within the time a
+        plain program takes to compile. The speculative chunks (every width) and the prefills of longer prompts
+        then compile on a thread of their own while requests are served, each used from its next call once
+        compiled: a bucket speculates from the chunk after its program is ready. Without `background` all of it
+        compiles here, before returning."""
         t0 = time.perf_counter()
         method = self.config.spec.method
         sizes = self.config.prefill_batch_sizes
         fewest = dict(zip(sizes, (1, *(s + 1 for s in sizes[:-1]))))  # the fewest requests padded to each size
+        self._plain_until_compiled = background and len(self.widths) > 1
+        _log.info("compiling the chunks of slot buckets %s (verify widths %s) and the prefill; /health answers when "
+                  "done", self.config.slot_buckets, (1,) if self._plain_until_compiled else self.widths)
+        ahead = []  # what `_compile_ahead` compiles once the engine serves
 
         def requests(count: int, length: int) -> list[Request]:
             return [Request([1] * length, 2) for _ in range(count)]
@@ -460,6 +505,8 @@ class Runner:
             for size in sizes:  # run at the smallest prompt bucket: the prefill and the rows' writes
                 if fewest[size] <= n:
                     self.admit_batch([(i, r, method, ()) for i, r in enumerate(requests(fewest[size], 3))])
+            if self._plain_until_compiled:
+                ahead.append(("chunk", n))
             self._decode([None] * n, np.zeros(self.config.max_slots + 1, np.int32))
             if self.state.logprobs is not None:
                 window(self.state.logprobs, jnp.zeros((n,), jnp.int32), size=self.logprob_window)
@@ -467,11 +514,63 @@ class Runner:
         width = BUCKET_MIN * 2
         while width // 2 < self.config.max_context - 1:
             length = min(width, self.config.max_context - 2)
-            self.admit(0, requests(1, length)[0], method, ())
-            for size in sizes[1:]:  # compiled, not run: a prefill of many long prompts takes a while
-                args, kwargs = self._prefill_args(*self._prefill_inputs(requests(size, length), [()] * size))
-                prefill.lower(*args, **kwargs).compile()
+            if background:  # shapes only: the thread must not read the batch's arrays, which chunks donate
+                for size in sizes:
+                    args, kwargs = self._prefill_args(*self._prefill_inputs(requests(size, length), [()] * size))
+                    ahead.append(("prefill", size, length, (args[0], *_shapes(args[1:])), kwargs))
+            else:
+                self.admit(0, requests(1, length)[0], method, ())
+                for size in sizes[1:]:  # compiled, not run: a prefill of many long prompts takes a while
+                    args, kwargs = self._prefill_args(*self._prefill_inputs(requests(size, length), [()] * size))
+                    prefill.lower(*args, **kwargs).compile()
             width *= 2
         self.state = self.state.replace(done=jnp.ones_like(self.state.done))
-        _log.info("compiled %d slot buckets and the prefill (batch sizes %s) in %.1f s",
-                  len(self.config.slot_buckets), sizes, time.perf_counter() - t0)
+        _log.info("compiled %d slot buckets and the prefill (batch sizes %s) in %.1f s%s",
+                  len(self.config.slot_buckets), sizes, time.perf_counter() - t0,
+                  "; speculation and longer prompts compile in the background" if ahead else "")
+        if ahead:
+            self._compiling = threading.Thread(target=self._compile_ahead, args=(ahead,), daemon=True,
+                                               name="jaxspec-engine-compile")
+            self._compiling.start()
+
+    def _compile_ahead(self, work: list[tuple]) -> None:
+        """On the compiling thread: ("chunk", B) runs the speculative chunk once over B finished rows of its own
+        (the loop ends at once; it compiles the program into the jit cache the loop thread calls, at the batch's
+        own shapes and placement), then marks the bucket speculating; ("prefill", size, length, shapes, static)
+        compiles the prefill of `size` prompts that long ahead of time (into the persistent compilation cache
+        where one is on; without one, the first such request compiles it again)."""
+        t0 = time.perf_counter()
+        with sharding.use_rules(self.lm.mesh, self.lm.rules):  # as the loop thread traces (nothing without a mesh)
+            for item in work:
+                if self._stop_compiling.is_set():
+                    return
+                try:
+                    if item[0] == "chunk":
+                        n = item[1]
+                        sampling, limits = slots.stack_settings([None] * n, MAX_STOP_IDS)
+                        caps = MixedParams(jnp.zeros(self.config.max_slots + 1, jnp.int32), self._member_params)
+                        decode_chunk(self.lm.graphdef, self.lm.params, pinned(slots.empty_state(self._empty_row, n)),
+                                     sampling, limits, caps, **self._chunk_settings(plain=False))
+                        self._speculating.add(n)
+                        _log.info("speculation on at %d slots: its chunk compiled in the background in %.1f s", n,
+                                  time.perf_counter() - t0)
+                    else:
+                        _, _, _, args, kwargs = item
+                        prefill.lower(*args, **kwargs).compile()
+                except Exception:  # noqa: BLE001 - the loop compiles it on demand instead
+                    _log.exception("compiling %s ahead failed; it compiles when first needed", item)
+        _log.info("compiled speculation and the prefills in the background in %.1f s", time.perf_counter() - t0)
+
+    def stop_compiling(self) -> None:
+        """Stop the compiling thread after the program it compiles now (a shutdown waits for that one: a
+        process that exits in the middle of an XLA compile on another thread can crash on its way out)."""
+        self._stop_compiling.set()
+        if self._compiling is not None:
+            self._compiling.join()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the programs `warmup` left compiling are ready (True), or `timeout` seconds pass."""
+        if self._compiling is not None:
+            self._compiling.join(timeout)
+            return not self._compiling.is_alive()
+        return True

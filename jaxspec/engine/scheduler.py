@@ -146,6 +146,14 @@ class Engine:
             self._thread.join(timeout)
         else:  # never started: no loop will run or fail the queued requests, so fail them here
             self._fail_all("cancelled")
+        self.runner.stop_compiling()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the programs warm-up left compiling in the background (`EngineConfig.background_compile`)
+        are ready and every slot bucket speculates (True), or `timeout` seconds pass (False)."""
+        if not self.ready.wait(timeout):
+            return False
+        return self.runner.wait_compiled(timeout)
 
     @property
     def started(self) -> bool:
@@ -188,7 +196,7 @@ class Engine:
         try:
             self._resize(self.config.slot_buckets[0])
             if warmup:
-                self.runner.warmup()  # it ends at the smallest bucket, as _slots is
+                self.runner.warmup(background=self.config.background_compile)  # ends at the smallest bucket
             self.ready.set()
             failures = 0  # chunks failed in a row
             while True:

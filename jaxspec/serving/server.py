@@ -21,8 +21,6 @@ import logging
 import os
 import sys
 
-import jax
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     from ..methods import METHODS, names
@@ -94,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="largest request body accepted, in bytes; larger ones get HTTP 413 (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling every batch size before listening (the first requests then wait)")
+    p.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="answer /health once the plain programs are compiled and compile speculation and longer "
+                        "prompts' prefills while serving (default); --no-background-compile compiles all of it first")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to finish in-flight requests after SIGINT/SIGTERM (default: %(default)s)")
     p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
@@ -126,13 +127,12 @@ def default_prediction_len(methods: str, cache_len: int) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # Compiled programs are reused across restarts (the real model compiles for minutes on a small CPU).
-    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
     import uvicorn
 
     import jaxspec
+
+    # Compiled programs are reused across restarts (the real model compiles for minutes on a small CPU).
+    jaxspec.enable_compilation_cache()
     from jaxspec.constraints import ConstraintLimits
     from jaxspec.engine import SHARED_BATCH_METHODS, Engine, EngineConfig
     from jaxspec.policy import make_policy
@@ -152,7 +152,8 @@ def main(argv=None) -> int:
                                                   if args.max_prediction_len is None else args.max_prediction_len),
                               constraint_states=args.constraint_states, constraint_edges=args.constraint_edges,
                               constraint_limits=ConstraintLimits(time_s=args.constraint_time_s,
-                                                                 memory_bytes=args.constraint_memory_mib << 20))
+                                                                 memory_bytes=args.constraint_memory_mib << 20),
+                              background_compile=args.background_compile)
         policy = make_policy(args.policy, max_active=args.spec_max_active)
         lm = jaxspec.load_model(args.model)
         if args.mesh is not None:
