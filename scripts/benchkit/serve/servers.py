@@ -42,7 +42,8 @@ def server_command(mode: str, port: int, args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, str(Path(args.serve_script).resolve()), "--model", args.model, "--host", args.host,
            "--port", str(port),
            "--policy", mode, "--method", args.method, "--max-slots", str(args.max_slots),
-           "--cache-len", str(args.cache_len)]
+           "--cache-len", str(args.cache_len),
+           "--no-background-compile"]  # speculation compiled before /health: no compile beside the timed load
     optional = {"--chunk-steps": args.chunk_steps, "--num-speculative-tokens": args.num_speculative_tokens,
                 "--spec-max-active": args.spec_max_active, "--max-waiting": args.max_waiting}
     for flag, value in optional.items():
