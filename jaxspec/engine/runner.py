@@ -561,12 +561,16 @@ class Runner:
                     _log.exception("compiling %s ahead failed; it compiles when first needed", item)
         _log.info("compiled speculation and the prefills in the background in %.1f s", time.perf_counter() - t0)
 
-    def stop_compiling(self) -> None:
-        """Stop the compiling thread after the program it compiles now (a shutdown waits for that one: a
-        process that exits in the middle of an XLA compile on another thread can crash on its way out)."""
+    def stop_compiling(self, wait: bool = True) -> None:
+        """Stop the compiling thread after the program it compiles now, and (`wait`) wait for that one: a process
+        whose interpreter finalises in the middle of an XLA compile on another thread crashes on its way out."""
         self._stop_compiling.set()
-        if self._compiling is not None:
+        if wait and self._compiling is not None:
             self._compiling.join()
+
+    def compiling(self) -> bool:
+        """Whether the compiling thread is alive (compiling a program, or about to stop)."""
+        return self._compiling is not None and self._compiling.is_alive()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the programs `warmup` left compiling are ready (True), or `timeout` seconds pass."""

@@ -136,8 +136,12 @@ class Engine:
             self._wakeup.notify()
         return Handle(live.request_id, self._cancel)
 
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop taking requests; finish in-flight ones (`drain`) or fail them with finish_reason "cancelled"."""
+    def shutdown(self, drain: bool = True, timeout: float | None = None, wait_compiling: bool = True) -> None:
+        """Stop taking requests; finish in-flight ones (`drain`) or fail them with finish_reason "cancelled".
+
+        Programs warm-up left compiling stop after the one in hand, which `wait_compiling` waits for: a process
+        that exits (Python's own finalisation) while XLA compiles on another thread can crash. A caller that
+        does not wait must end its process with `os._exit` while `compiling()` is True (the server does)."""
         with self._lock:
             self._stopping = True
             self._drain = drain
@@ -146,7 +150,11 @@ class Engine:
             self._thread.join(timeout)
         else:  # never started: no loop will run or fail the queued requests, so fail them here
             self._fail_all("cancelled")
-        self.runner.stop_compiling()
+        self.runner.stop_compiling(wait=wait_compiling)
+
+    def compiling(self) -> bool:
+        """Whether the compiling thread warm-up started is still compiling a program."""
+        return self.runner.compiling()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the programs warm-up left compiling in the background (`EngineConfig.background_compile`)

@@ -179,5 +179,13 @@ def main(argv=None) -> int:
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.graceful_timeout)
+    if engine.compiling():
+        # Requests are finished; a program still compiles on the engine's thread (speculation, at start-up).
+        # Waiting could take a minute, and Python's finalisation beside an XLA compile crashes: end here.
+        logging.getLogger("jaxspec.engine").info("exiting while a program compiles in the background")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
