@@ -45,6 +45,7 @@ docs:
 # block needs a GPU and is skipped on a CPU.
 bench: install
 	$(PYTHON) -m pip install -q -e ".[bench,peers]"
+	$(PYTHON) scripts/bench_compile.py --methods none,sam,eagle3 --rows 1,8 --server --write-page
 	$(PYTHON) scripts/bench.py --peers --peer-prompts 4 --batches 1,8 --new-tokens 64 --repeats 2 --write-page
 	$(PYTHON) scripts/bench_spec.py --limit 4 --batch1-limit 2 --new-tokens 64 --methods none,ngram,sam --ks default \
 		--temperatures 0 --sweep-batches "" --cost-ts 1,3,5,9,17 --overhead-repeats 5 --write-page

@@ -11,3 +11,8 @@ def ints(text: str) -> list[int]:
 def floats(text: str) -> list[float]:
     """"0,0.8" -> [0.0, 0.8] (empty items skipped)."""
     return [float(x) for x in text.split(",") if x]
+
+
+def names(text: str) -> list[str]:
+    """"none,sam" -> ["none", "sam"] (spaces and empty items dropped)."""
+    return [x.strip() for x in text.split(",") if x.strip()]
