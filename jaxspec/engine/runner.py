@@ -4,8 +4,8 @@ The `Runner` belongs to the engine's loop thread. It prefills the requests admit
 prompts padded to one prompt bucket, the batch to a compiled prefill size) and writes each one's row into its
 slot (`admit_batch`), regroups the batch into another compiled size (`regroup`), runs a chunk of decode steps
 over every row and reads back what each occupied row committed, with the draft flags and, for rows that asked,
-the log-probabilities (`run_chunk`). `warmup` compiles all of that before the first request, and
-`EngineMetrics` keeps the running totals the server exports.
+the log-probabilities (`run_chunk`). `warmup` compiles what the first requests need (plain chunks by default)
+and leaves speculation to a compiling thread, and `EngineMetrics` keeps the running totals the server exports.
 """
 
 from __future__ import annotations
