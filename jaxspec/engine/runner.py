@@ -10,10 +10,12 @@ and leaves speculation to a compiling thread, and `EngineMetrics` keeps the runn
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import jax
@@ -103,6 +105,19 @@ class EngineMetrics:
         self.steps += chunk.steps
         self.committed += chunk.tokens
         self.num_slots = len(rows)
+
+
+# Compiling threads alive in this process (`Runner.warmup`), each with its runner's stop event as `.stop`.
+_COMPILING: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_compiling() -> None:
+    """At exit, stop every compiling thread after the program in hand and wait for it: Python's finalisation while
+    XLA compiles on another thread crashes the process (a server that must not wait ends with os._exit)."""
+    for thread in list(_COMPILING):
+        thread.stop.set()
+        thread.join()
 
 
 def _shapes(tree):
@@ -531,6 +546,8 @@ class Runner:
         if ahead:
             self._compiling = threading.Thread(target=self._compile_ahead, args=(ahead,), daemon=True,
                                                name="jaxspec-engine-compile")
+            self._compiling.stop = self._stop_compiling
+            _COMPILING.add(self._compiling)
             self._compiling.start()
 
     def _compile_ahead(self, work: list[tuple]) -> None:

@@ -115,8 +115,9 @@ def _lifespan(engine: Engine, warmup: bool, graceful_timeout_s: float, on_ready:
             on_ready()
         yield
         # uvicorn has stopped accepting connections and waited for open ones; fail whatever is left.
-        # A program still compiling is not waited for: the server's command ends the process without Python's
-        # finalisation when it is (`jaxspec.serving.server.main`).
+        # A program still compiling is not waited for here: the server's command ends the process without Python's
+        # finalisation when one is (`jaxspec.serving.server.main`); elsewhere an exit handler waits for it
+        # (`jaxspec.engine.runner`).
         await asyncio.to_thread(engine.shutdown, True, graceful_timeout_s, False)
         await asyncio.to_thread(engine.shutdown, False, 10.0, False)
         for executor in executors:
