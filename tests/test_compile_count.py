@@ -62,6 +62,7 @@ def test_a_call_compiles_one_prefill_and_one_loop_with_the_methods_widths(tiny_l
     verify-cost table is the prior until the background thread has measured it; here nothing is measured); the
     second call of the same shapes compiles nothing."""
     monkeypatch.setenv(jaxspec.cost.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(jaxspec.cost, "BACKGROUND", True)  # the library's default (benchkit turns it off)
     monkeypatch.setattr(jaxspec.cost._BACKGROUND_JOBS, "submit", lambda *a: None)
     jaxspec.cost._MEMO.clear()
     spec = _spec(method, head_files)
@@ -83,6 +84,7 @@ def test_a_cost_aware_call_compiles_no_timing_forward_before_decoding(tiny_lm, c
     """With measuring on (the library's default), a first call at several rows takes the prior and compiles the
     same two programs; the forwards that time each width compile on the background thread, after the call."""
     monkeypatch.setenv(jaxspec.cost.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(jaxspec.cost, "BACKGROUND", True)  # the library's default (benchkit turns it off)
     jaxspec.cost._MEMO.clear()
     jax.clear_caches()
     spec = SpecConfig(method="sam")
