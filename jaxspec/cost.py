@@ -243,7 +243,7 @@ def verify_cost(lm, *, batch: int, cache_len: int, widths: tuple[int, ...], cach
     timed, clamped, key = _table_key(lm, batch, cache_len, widths, cached, attention_impl)
     measure = functools.partial(measure_verify_cost, lm, batch=batch, cache_len=cache_len, widths=widths,
                                 cached=cached, attention_impl=attention_impl)
-    if not BACKGROUND or key in _MEMO or _load(key) is not None:
+    if not BACKGROUND or _known_table(key, batch, cache_len, timed, clamped) is not None:
         return measure()
     _BACKGROUND_JOBS.submit(key, measure, f"batch {batch}, cache {cache_len}, {clamped} cached, widths {timed}")
     return prior_verify_cost(lm, batch=batch, widths=widths, cached=clamped)
@@ -259,13 +259,29 @@ def measure_verify_cost(lm, *, batch: int, cache_len: int, widths: tuple[int, ..
     directory in JAXSPEC_VERIFY_COST), keyed by model, machine, software and shapes.
     """
     timed, cached, key = _table_key(lm, batch, cache_len, widths, cached, attention_impl)
-    table = _MEMO.get(key)
+    table = _known_table(key, batch, cache_len, timed, cached)
     if table is None:
-        table = _load(key) or _measure(lm, batch, cache_len, timed, cached, attention_impl, repeats, key)
-        _MEMO[key] = table
-        _SHAPES[key] = dict(batch=batch, cache_len=cache_len, widths=timed, cached=cached)
+        table = _measure(lm, batch, cache_len, timed, cached, attention_impl, repeats, key)
+        _remember(key, table, batch, cache_len, timed, cached)
     costs = dict(zip(timed, table))
     return tuple(costs[w] for w in widths)
+
+
+def _remember(key: str, table: tuple[float, ...], batch: int, cache_len: int, timed: tuple[int, ...],
+              cached: int) -> None:
+    _MEMO[key] = table
+    _SHAPES[key] = dict(batch=batch, cache_len=cache_len, widths=timed, cached=cached)
+
+
+def _known_table(key: str, batch: int, cache_len: int, timed: tuple[int, ...],
+                 cached: int) -> tuple[float, ...] | None:
+    """The table of `key` this process holds, else the one on disk (then held), else None."""
+    table = _MEMO.get(key)
+    if table is None:
+        table = _load(key)
+        if table is not None:
+            _remember(key, table, batch, cache_len, timed, cached)
+    return table
 
 
 def measured() -> list[dict]:
@@ -358,11 +374,6 @@ class _BackgroundMeasurements:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="jaxspec-verify-cost", daemon=True)
                 self._thread.start()
-
-    def pending(self) -> int:
-        """Tables submitted and not yet measured."""
-        with self._lock:
-            return len(self._jobs)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every submitted table is measured (True) or `timeout` seconds pass (False)."""

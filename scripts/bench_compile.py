@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 
 from benchkit import cli, machine, page, tables
+from benchkit.serve.servers import free_port
 
 SCRIPTS = Path(__file__).resolve().parent
 _RESULT = "bench_compile result: "
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
         if args.server:
             home = Path(work) / "server-home"
             for state in ("cold", "warm"):
-                s = server_start(home, 8770, args.server_timeout)
+                s = server_start(home, free_port("127.0.0.1"), args.server_timeout)
                 if state in args.caches:
                     servers.append(dict(s, cache=state))
                     print(json.dumps(servers[-1]), flush=True)

@@ -532,7 +532,7 @@ class Runner:
             if background:  # shapes only: the thread must not read the batch's arrays, which chunks donate
                 for size in sizes:
                     args, kwargs = self._prefill_args(*self._prefill_inputs(requests(size, length), [()] * size))
-                    ahead.append(("prefill", size, length, (args[0], *_shapes(args[1:])), kwargs))
+                    ahead.append(("prefill", (args[0], *_shapes(args[1:])), kwargs))
             else:
                 self.admit(0, requests(1, length)[0], method, ())
                 for size in sizes[1:]:  # compiled, not run: a prefill of many long prompts takes a while
@@ -553,8 +553,8 @@ class Runner:
     def _compile_ahead(self, work: list[tuple]) -> None:
         """On the compiling thread: ("chunk", B) runs the speculative chunk once over B finished rows of its own
         (the loop ends at once; it compiles the program into the jit cache the loop thread calls, at the batch's
-        own shapes and placement), then marks the bucket speculating; ("prefill", size, length, shapes, static)
-        compiles the prefill of `size` prompts that long ahead of time (into the persistent compilation cache
+        own shapes and placement), then marks the bucket speculating; ("prefill", shapes, static) compiles a
+        prefill of those argument shapes ahead of time (into the persistent compilation cache
         where one is on; without one, the first such request compiles it again)."""
         t0 = time.perf_counter()
         with sharding.use_rules(self.lm.mesh, self.lm.rules):  # as the loop thread traces (nothing without a mesh)
@@ -572,7 +572,7 @@ class Runner:
                         _log.info("speculation on at %d slots: its chunk compiled in the background in %.1f s", n,
                                   time.perf_counter() - t0)
                     else:
-                        _, _, _, args, kwargs = item
+                        _, args, kwargs = item
                         prefill.lower(*args, **kwargs).compile()
                 except Exception:  # noqa: BLE001 - the loop compiles it on demand instead
                     _log.exception("compiling %s ahead failed; it compiles when first needed", item)
