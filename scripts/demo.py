@@ -3,12 +3,16 @@
 
     python scripts/demo.py                   # what `make demo` runs
     python scripts/demo.py --method ngram --max-new-tokens 64
+    python scripts/demo.py --prompts scripts/demo_recheck.json   # six other prompts, written the same way
+    python scripts/demo.py --prompts my_prompts.json             # your own: [{"name", "kind", "text"}, ...]
 
 The prompts (PROMPTS below: four pieces of code to complete, two chat requests) were written for this demo.
 None is in HumanEval, the standard library, any shipped artefact's sources (the draft corpus, the heads' and the
 draft vocabulary's training data) or a benchmark workload, so the model has not written their answers before
 and nothing here replays memorised text; tests/test_artefact_sources.py checks that. Expect a modest speedup:
-lookup speculation (sam, ngram) gains where the answer repeats what is already in the text.
+lookup speculation (sam, ngram) gains where the answer repeats what is already in the text. scripts/demo_recheck.json
+holds six more prompts written and checked the same way, so the mean speedup can be reproduced on text the demo
+did not choose; `--prompts` takes any such file, yours included, to see what speculation gives on your own work.
 
 Greedy decoding both ways; every prompt's text must be identical (exit status 1 if not). Each way first runs
 untimed to compile, then each prompt is timed plainly and speculatively in turn, so the tokens/s compare decoding,
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
+from pathlib import Path
 
 import jaxspec
 from benchkit import machine
@@ -76,13 +82,36 @@ PROMPTS = (
 )
 
 
-def prompt_texts(lm) -> list[str]:
+def read_prompts(path: str | Path) -> tuple[tuple[str, str, str], ...]:
+    """(name, kind, text) prompts from a JSON file holding a list of {"name", "kind", "text"} objects, kind
+    "code" or "chat". ValueError naming the file, the entry and the field when one is missing or wrong."""
+    try:
+        entries = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--prompts {str(path)!r}: {e}") from None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"--prompts {str(path)!r}: must hold a non-empty JSON list of prompts")
+    prompts = []
+    for i, entry in enumerate(entries):
+        where = f"--prompts {str(path)!r}, entry {i}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: must be an object with name, kind and text, got {entry!r}")
+        for field in ("name", "kind", "text"):
+            if not isinstance(entry.get(field), str) or not entry[field]:
+                raise ValueError(f"{where}: {field!r} must be a non-empty string, got {entry.get(field)!r}")
+        if entry["kind"] not in ("code", "chat"):
+            raise ValueError(f"{where}: kind {entry['kind']!r} must be 'code' or 'chat'")
+        prompts.append((entry["name"], entry["kind"], entry["text"]))
+    return tuple(prompts)
+
+
+def prompt_texts(lm, prompts=PROMPTS) -> list[str]:
     """The prompts as the model reads them: code as is, chat requests rendered with its chat template."""
-    if any(kind == "chat" for _, kind, _ in PROMPTS) and (lm.tokenizer is None or lm.tokenizer.chat_template is None):
+    if any(kind == "chat" for _, kind, _ in prompts) and (lm.tokenizer is None or lm.tokenizer.chat_template is None):
         raise ValueError(f"the demo's chat prompts need a tokenizer with a chat template; {lm.name!r} has none")
     return [text if kind == "code" else
             lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            for _, kind, text in PROMPTS]
+            for _, kind, text in prompts]
 
 
 def warm_up(run, lm, prompts: list[str], max_new_tokens: int) -> float:
@@ -98,19 +127,28 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
     parser.add_argument("--method", default="sam", choices=METHODS,
                         help="speculative method, with its default settings (default: %(default)s)")
+    parser.add_argument("--prompts", metavar="FILE",
+                        help='a JSON list of {"name", "kind": "code" or "chat", "text"} prompts to run instead of '
+                             "the demo's own")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    try:
+        chosen = PROMPTS if args.prompts is None else read_prompts(args.prompts)
+    except ValueError as e:
+        parser.error(str(e))
 
     jaxspec.enable_compilation_cache()  # a second demo skips most of the compiling
     load_s, lm = clocked(lambda: jaxspec.load_model(args.model))
     try:
-        prompts = prompt_texts(lm)
+        prompts = prompt_texts(lm, chosen)
     except ValueError as e:
         parser.error(str(e))
     print(f"# {machine.line(machine.info())}")
-    print(f"{args.model} loaded in {load_s:.1f} s; {len(prompts)} prompts written for this demo (in no corpus, "
-          f"training set or benchmark), greedy, up to {args.max_new_tokens} new tokens each", flush=True)
+    which = ("prompts written for this demo (in no corpus, training set or benchmark)" if args.prompts is None
+             else f"prompts from {args.prompts}")
+    print(f"{args.model} loaded in {load_s:.1f} s; {len(prompts)} {which}, greedy, up to {args.max_new_tokens} "
+          "new tokens each", flush=True)
 
     runs = {label: functools.partial(jaxspec.generate, lm, max_new_tokens=args.max_new_tokens,
                                      sampling=jaxspec.SamplingParams(temperature=0.0),
@@ -125,7 +163,7 @@ def main(argv=None) -> int:
         plain.append(runs["plain"]([p]))
         spec.append(runs[args.method]([p]))
 
-    name, kind, text = PROMPTS[0]
+    name, kind, text = chosen[0]
     print(f"\n--- {name} ({kind}): prompt and completion, plain and {args.method} alike " + "-" * 22)
     print((text + plain[0].text[0]).rstrip())
     print("-" * 79)
@@ -133,13 +171,13 @@ def main(argv=None) -> int:
     print(f"\n{'prompt':<20}{'kind':<6}{'tokens':>7}{'plain tok/s':>13}{args.method + ' tok/s':>13}"
           f"{'speedup':>9}{'accept len':>12}{'accepted':>11}  same text")
     speedups, lengths, mismatched = [], [], []
-    for (name, kind, _), p, s in zip(PROMPTS, plain, spec):
+    for i, ((name, kind, _), p, s) in enumerate(zip(chosen, plain, spec)):
         speedup = s.stats.decode_tokens_per_s / p.stats.decode_tokens_per_s
         same = s.token_ids == p.token_ids and s.text == p.text
         speedups.append(speedup)
         lengths.append(s.stats.mean_acceptance_length)
         if not same:
-            mismatched.append(name)
+            mismatched.append(i)
         print(f"{name:<20}{kind:<6}{len(p.token_ids[0]):>7}{p.stats.decode_tokens_per_s:>13.1f}"
               f"{s.stats.decode_tokens_per_s:>13.1f}{speedup:>8.2f}x{s.stats.mean_acceptance_length:>12.2f}"
               f"{f'{s.stats.accepted}/{s.stats.drafted}':>11}  {'yes' if same else 'NO'}")
@@ -149,16 +187,15 @@ def main(argv=None) -> int:
           f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x, std {spread:.2f}) over {len(speedups)} prompts; "
           f"mean acceptance length {statistics.fmean(lengths):.2f} tokens per step")
     for k in ("code", "chat"):
-        part = [x for (_, kind, _), x in zip(PROMPTS, speedups) if kind == k]
+        part = [x for (_, kind, _), x in zip(chosen, speedups) if kind == k]
         if part:
             print(f"  {k}: mean {statistics.fmean(part):.2f}x over {len(part)} prompts")
     if mismatched:
-        for name in mismatched:
-            i = [n for n, _, _ in PROMPTS].index(name)
-            print(f"MISMATCH: {args.method} output differs from plain decoding on {name}:\n{spec[i].text[0]}",
-                  file=sys.stderr)
+        for i in mismatched:
+            print(f"MISMATCH: {args.method} output differs from plain decoding on {chosen[i][0]}:\n"
+                  f"{spec[i].text[0]}", file=sys.stderr)
         return 1
-    print(f"output identical: yes (all {len(PROMPTS)} prompts, token for token)")
+    print(f"output identical: yes (all {len(chosen)} prompts, token for token)")
     return 0
 
 

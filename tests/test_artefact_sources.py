@@ -2,8 +2,9 @@
 
 Every file in models/weights/ (heads, draft vocabulary, sam's draft corpus) records its `sources`: one entry per
 source with a name, a count and, for HumanEval, the task ids. None may hold a prompt of HumanEval's held-out
-quarter, from which the benchmarks' held-out workloads come. The demo's prompts (scripts/demo.py) must be in no
-artefact's sources and in no benchmark workload, so its speedup is not one of replayed text.
+quarter, from which the benchmarks' held-out workloads come. The demo's prompts (scripts/demo.py) and the six it is
+rechecked on (scripts/demo_recheck.json) must be in no artefact's sources and in no benchmark workload, so their
+speedup is not one of replayed text.
 """
 
 from __future__ import annotations
@@ -79,15 +80,22 @@ def test_the_recorded_training_split_is_the_one_training_uses():
                 assert source["humaneval_task_ids"] == humaneval_task_ids(train), (path.name, source["name"])
 
 
-def test_the_demo_prompts_are_in_no_artefact_source_and_no_benchmark_workload():
+DEMO_SETS = {"demo": demo.PROMPTS, "recheck": demo.read_prompts(REPO / "scripts" / "demo_recheck.json")}
+
+
+@pytest.mark.parametrize("which", DEMO_SETS)
+def test_the_demo_prompts_are_in_no_artefact_source_and_no_benchmark_workload(which):
     """No line of a demo prompt is a line of HumanEval (every split: the artefacts' HumanEval sources and every
     benchmark workload are made from it), of a workload's request, of the training chat requests or of the
-    standard library (the other sources)."""
-    prompts = [text for _, _, text in demo.PROMPTS]
-    kinds = [kind for _, kind, _ in demo.PROMPTS]
+    standard library (the other sources); nor of the other demo set, so a recheck runs text the demo did not."""
+    chosen = DEMO_SETS[which]
+    prompts = [text for _, _, text in chosen]
+    kinds = [kind for _, kind, _ in chosen]
     assert kinds.count("code") >= 4 and kinds.count("chat") >= 2
     demo_lines = set().union(*map(_lines, prompts))
     assert len(demo_lines) >= 2 * len(prompts)
+    other = set().union(*(_lines(text) for name, s in DEMO_SETS.items() if name != which for _, _, text in s))
+    assert not demo_lines & other, demo_lines & other
 
     seen: set[str] = set()
     for p in workloads.humaneval_problems():
@@ -101,7 +109,11 @@ def test_the_demo_prompts_are_in_no_artefact_source_and_no_benchmark_workload():
     assert not demo_lines & seen, demo_lines & seen
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    # site-packages may sit under the standard library's folder: third-party code is no artefact's source
+    installed = {Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
     for path in stdlib.rglob("*.py"):
+        if any(path.is_relative_to(d) for d in installed):
+            continue
         try:
             overlap = demo_lines & _lines(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError):

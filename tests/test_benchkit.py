@@ -293,3 +293,23 @@ def test_script_help_runs(helps, name):
     output, returncode = helps[name]
     assert returncode == 0, output
     assert output.startswith("usage:"), output
+
+
+# ------------------------------------------------------------------------------------------------ demo
+
+def test_demo_reads_a_prompt_file_and_names_what_is_wrong(tmp_path):
+    import demo
+
+    recheck = demo.read_prompts(SCRIPTS / "demo_recheck.json")
+    assert [kind for _, kind, _ in recheck].count("code") == 4 and len(recheck) == 6
+    assert {name for name, _, _ in recheck}.isdisjoint(name for name, _, _ in demo.PROMPTS)
+    bad = {"[]": "non-empty JSON list", '{"name": "x"}': "non-empty JSON list", "[1]": "entry 0",
+           '[{"name": "a", "kind": "code"}]': "'text'", '[{"name": "a", "kind": "poem", "text": "x"}]': "'poem'",
+           "[{": "--prompts"}
+    for i, (text, expected) in enumerate(bad.items()):
+        path = tmp_path / f"p{i}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=expected):
+            demo.read_prompts(path)
+    with pytest.raises(ValueError, match="missing.json"):
+        demo.read_prompts(tmp_path / "missing.json")
