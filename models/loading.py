@@ -28,6 +28,7 @@ from jaxspec.target import TargetModel, check_target
 from .config import ModelConfig, RopeConfig
 from .files import FileError, SafetensorsFile, check_finite, describe, field, json_object, read_json
 from .llama import Llama, set_blocks, set_matmul
+from .random_shapes import RANDOM_SHAPES, is_random, random_config, random_module
 from .tokenizer import Tokenizer
 
 
@@ -112,7 +113,13 @@ class LanguageModel:
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = "float32", mesh: Mesh | None = None,
                rules: ShardingRules | None = None) -> LanguageModel:
-    """Load a named model (see NAMED_MODELS), a `.gguf` file, or a Hugging Face directory.
+    """Load a named model (see NAMED_MODELS), a `.gguf` file, a Hugging Face directory, or a random-weight model.
+
+    `"random:<name>"` (`jaxspec.models.random_shapes.RANDOM_SHAPES`: `random:smollm2-135m`, `random:llama-3.2-1b`,
+    `random:llama-3.1-8b`) builds a model in the shapes of that checkpoint with random weights, drawn on the device
+    in `dtype`: its output is meaningless; it is for measuring step times and memory at real sizes. It carries the
+    default model's tokenizer where the vocabularies match (`random:smollm2-135m`) and none otherwise (prompts are
+    then token ids, and results have no text). An unknown name is a ValueError listing the known ones.
 
     A Hugging Face directory holds `config.json`, `model.safetensors` or a sharded
     `model.safetensors.index.json`, and `tokenizer.json`; float32, float16 and bfloat16 tensors are read. With a
@@ -132,6 +139,9 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
     key = str(name_or_path)
+    if is_random(key):
+        lm = _random_model(key, dtype)
+        return lm if mesh is None else lm.on_mesh(mesh, rules)
     if key in NAMED_MODELS:
         path = named_model_path(key)
     else:
@@ -148,6 +158,18 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     module = build_module(config, weights)
     lm = LanguageModel.from_module(module, tokenizer, name=key)
     return lm if mesh is None else lm.on_mesh(mesh, rules)
+
+
+def _random_model(name: str, dtype: str) -> LanguageModel:
+    """`random:<name>` (see `load_model`): random weights in the shapes of a real checkpoint."""
+    config = random_config(name, dtype)
+    tokenizer = None
+    if config.vocab_size == RANDOM_SHAPES[DEFAULT_MODEL].vocab_size:
+        try:
+            tokenizer = Tokenizer.from_gguf(named_model_path(DEFAULT_MODEL))
+        except ValueError:  # the default model's package is not installed: token ids only
+            tokenizer = None
+    return LanguageModel.from_module(random_module(config), tokenizer, name=name)
 
 
 def named_model_path(name: str) -> Path:

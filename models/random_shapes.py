@@ -1,0 +1,105 @@
+"""Random-weight models in the shapes of real checkpoints: `load_model("random:<name>")`, for cost and memory.
+
+A decode step on an accelerator is bound by reading the weights and the KV cache, so what it costs depends on the
+model's shapes and dtype, not on its values. These models have the shapes of published Llama-family checkpoints
+(`RANDOM_SHAPES`) and normally distributed weights: their output is meaningless, and they exist to measure step
+times, rooflines, c(T) and memory at sizes no package ships (an 8B model in bfloat16 holds 16 GB).
+
+Each tensor is drawn on the default device by one fused elementwise program (a counter-based hash of each
+element's index, turned into a uniform value of the wanted standard deviation and cast to the model's dtype), so a
+bfloat16 model never has a float32 copy, on the host or on the device, and the host never holds the weights. The
+hash (MurmurHash3's 32-bit finaliser over a Weyl sequence) is what makes this fast: `jax.random`'s threefry costs
+about fifteen times as much per value on a CPU, some forty seconds for the 1B model's 1.5 billion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelConfig, RopeConfig
+from .llama import Llama
+
+PREFIX = "random:"
+
+_LLAMA3_ROPE = dict(theta=500000.0, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+
+# Shapes of published checkpoints (their config.json), by the name after "random:".
+RANDOM_SHAPES: dict[str, ModelConfig] = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct: the default model's shapes.
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                                rope=RopeConfig(theta=100000.0), tie_word_embeddings=True,
+                                max_position_embeddings=8192),
+    # meta-llama/Llama-3.2-1B.
+    "llama-3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                                num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                                rope=RopeConfig(factor=32.0, **_LLAMA3_ROPE), tie_word_embeddings=True,
+                                max_position_embeddings=131072),
+    # meta-llama/Llama-3.1-8B.
+    "llama-3.1-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                                rope=RopeConfig(factor=8.0, **_LLAMA3_ROPE), tie_word_embeddings=False,
+                                max_position_embeddings=131072),
+}
+
+
+def is_random(name: str) -> bool:
+    """Whether `name` asks for a random-weight model ("random:<shape name>")."""
+    return name.startswith(PREFIX)
+
+
+def random_config(name: str, dtype: str = "float32") -> ModelConfig:
+    """The config of `random:<name>` in `dtype`; ValueError naming the known shapes for any other name."""
+    shape = name[len(PREFIX):] if is_random(name) else name
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random model {name!r}: known are "
+                         f"{', '.join(PREFIX + n for n in RANDOM_SHAPES)}")
+    return dataclasses.replace(RANDOM_SHAPES[shape], dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
+def _uniform(seed: jax.Array, *, shape: tuple[int, ...], dtype, scale: float) -> jax.Array:
+    """[*shape] in `dtype`: values uniform on [-sqrt(3), sqrt(3)) x `scale` (standard deviation `scale`), from
+    seed u32[]; one fused elementwise program, so no wider intermediate is stored."""
+    h = jax.lax.iota(jnp.uint32, math.prod(shape)) * jnp.uint32(0x9E3779B9) + seed  # u32[n], n < 2^32
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    h = h ^ (h >> 16)
+    unit = (h >> 8).astype(jnp.float32) * (2.0 ** -23) - 1.0  # f32[n] in [-1, 1), 24 random bits each
+    return (unit * (scale * math.sqrt(3.0))).astype(dtype).reshape(shape)
+
+
+def random_module(config: ModelConfig, seed: int = 0) -> Llama:
+    """A Llama of `config` with random weights: embeddings of standard deviation 1, projections of 0.02 (the
+    scales `Llama` initialises with), unit norm scales, zero biases.
+
+    Each weight's seed is a hash of `seed` and the weight's path, so a tensor does not depend on the order the
+    others are drawn in; a tied LM head is the embedding's transpose, as `build_module` lays it out.
+    """
+    module = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    dtype = config.jnp_dtype
+    for path, param in nnx.iter_graph(module):
+        if not isinstance(param, nnx.Param):
+            continue
+        name = ".".join(str(p) for p in path)
+        if name == "lm_head" and config.tie_word_embeddings:
+            continue
+        shape = tuple(param.get_value().shape)
+        if name.endswith("weight") and len(shape) == 1:  # RMSNorm scales
+            param.set_value(jnp.ones(shape, dtype))
+        elif name.endswith("bias"):
+            param.set_value(jnp.zeros(shape, dtype))
+        else:
+            tensor_seed = jnp.uint32(zlib.crc32(f"{seed}:{name}".encode()))
+            param.set_value(_uniform(tensor_seed, shape=shape, dtype=dtype, scale=1.0 if name == "embed" else 0.02))
+    if config.tie_word_embeddings:
+        module.lm_head.set_value(module.embed[...].T)
+    return module
