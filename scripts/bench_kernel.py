@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """The kernels and devices: verification attention on a GPU (Pallas against XLA), the CPU matmul kernel's verify
-cost, and the model on device meshes.
+cost, the model on device meshes, and a decode step against the device's roofline.
 
     python scripts/bench_kernel.py [ARGS]               # verification attention on a GPU (below)
     python scripts/bench_kernel.py verify-cost [ARGS]   # c(T): XLA's matmul, the CPU kernel (benchkit/verify_cost.py)
     python scripts/bench_kernel.py mesh measure|layout|estimate [ARGS]   # device meshes (benchkit/mesh.py)
+    python scripts/bench_kernel.py roofline [ARGS]      # a decode step against its roofline (benchkit/roofline.py)
 
 Verification attention on a GPU: the Pallas kernel against XLA's attention, side by side.
 
@@ -121,7 +122,7 @@ def measure(args, batch: int, num_new: int, num_slots: int, rng: np.random.Gener
     return rows
 
 
-MODES = {"verify-cost": "benchkit.verify_cost", "mesh": "benchkit.mesh"}
+MODES = {"verify-cost": "benchkit.verify_cost", "mesh": "benchkit.mesh", "roofline": "benchkit.roofline"}
 
 
 def main(argv=None) -> int:
