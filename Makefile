@@ -48,9 +48,12 @@ bench: install
 	$(PYTHON) scripts/bench_compile.py --methods none,sam,eagle3 --rows 1,8 --server --write-page
 	$(PYTHON) scripts/bench.py --peers --peer-prompts 4 --batches 1,8 --new-tokens 64 --repeats 2 --write-page
 	$(PYTHON) scripts/bench_spec.py --limit 4 --batch1-limit 2 --new-tokens 64 --methods none,ngram,sam --ks default \
-		--temperatures 0 --sweep-batches "" --cost-ts 1,3,5,9,17 --overhead-repeats 5 --write-page
+		--temperatures 0 --sweep-batches "" --cost-ts "" --overhead-repeats 5 --write-page
 	$(PYTHON) scripts/bench_heads.py --workloads held-out,held-out-chat --methods none,sam,eagle3 --budgets 15 \
 		--eagle2-trees "" --cost-aware-budgets "" --temperatures 0 --limit 4 --new-tokens 64 --write-page
+	$(PYTHON) scripts/bench_heads.py --workloads held-out --methods eagle3 --budgets 31 --eagle2-trees 31:6:10 \
+		--cost-aware-budgets "" --whole-trees --temperatures 0 --skip 8 --limit 2 --new-tokens 64 --repeats 1 \
+		--write-page heads-whole-trees
 	$(PYTHON) scripts/bench_serve.py --concurrency 1,4 --max-tokens 32 --modes off,adaptive --write-page
 	$(PYTHON) scripts/bench_serve.py --engine --requests 16 --max-tokens 32 --repeats 2 --write-page
 	$(PYTHON) scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 128 --temperatures 0.7 \
@@ -61,5 +64,8 @@ bench: install
 		$(PYTHON) scripts/bench_kernel.py --batches 1,8 --widths 4,16 --caches 1024,8192 --splits "" --write-page; fi
 	$(PYTHON) scripts/bench_kernel.py verify-cost --skip-micro --batch1-ts 1,3,5,9,17 --batch8-ts 1,9 --repeats 3 \
 		--write-page
+	$(PYTHON) scripts/bench_kernel.py mesh measure --devices 4 --batch 4 --new-tokens 16 --write-page
 	$(PYTHON) scripts/bench_kernel.py mesh estimate --write-page
-	$(PYTHON) scripts/bench_profile.py --api generate --method sam --prompts 1 --samples 1 --temperature 0 --write-page
+	$(PYTHON) scripts/bench_kernel.py roofline --rows 1,8 --ts 1,5 --context 256 --repeats 3 --write-page
+	$(PYTHON) scripts/bench_profile.py --api generate --method sam --prompts 1 --samples 1 --temperature 0 \
+		--top 8 --threads 3 --write-page

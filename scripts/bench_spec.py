@@ -46,7 +46,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
 import jaxspec
@@ -121,9 +120,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "%(default)s, else the first of --batches)")
     parser.add_argument("--show-outputs", type=int, default=2, help="greedy none outputs to print per workload "
                         "(default: %(default)s)")
-    parser.add_argument("--compile-cache", default="bench_out/jax_cache", metavar="DIR",
-                        help="JAX's persistent compilation cache (a few MB): a rerun skips the compiles of unchanged "
-                        "programs; empty to switch it off (default: %(default)s)")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="JAX's persistent compilation cache: a rerun skips the compiles of unchanged programs; "
+                        "empty to switch it off (default: jaxspec's, ~/.cache/jaxspec-xla)")
     parser.add_argument("--out", default="bench_out/bench_spec.json", help="(default: %(default)s)")
     page.add_option(parser, "spec")
     args = parser.parse_args(argv)
@@ -158,9 +157,8 @@ def public(x):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if args.compile_cache != "":
+        jaxspec.enable_compilation_cache(args.compile_cache)
 
     started = time.perf_counter()
     methods = [m for m in args.methods.split(",") if m]

@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     for impl in impls:
         if impl not in cpu_kernels.IMPLS:
             parser.error(f"--impls: {impl!r} is not one of {cpu_kernels.IMPLS}")
-    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
+    jaxspec.enable_compilation_cache()
 
     with page.Tee() as printed:
         run(args, impls)

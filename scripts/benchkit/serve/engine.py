@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import threading
 import time
-
-import jax
 
 import jaxspec
 from benchkit import machine, page, tables, workloads
@@ -218,7 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache-len", type=int, default=1024, help="KV slots per row (default: %(default)s)")
     page.add_option(p, "serve-engine")
     args = p.parse_args(argv)
-    jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec-xla"))
+    jaxspec.enable_compilation_cache()
     with page.Tee() as printed:
         run(args)
     if args.write_page:
