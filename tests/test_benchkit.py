@@ -25,11 +25,13 @@ HELP_COMMANDS = {p.name: [p.name] for p in sorted(SCRIPTS.glob("bench*.py"))} | 
     "demo.py": ["demo.py"], "bench.py --spec": ["bench.py", "--spec"], "bench.py --heads": ["bench.py", "--heads"],
     "bench_kernel.py verify-cost": ["bench_kernel.py", "verify-cost"],
     "bench_kernel.py mesh": ["bench_kernel.py", "mesh"],
+    "bench_kernel.py roofline": ["bench_kernel.py", "roofline"],
     "bench_serve.py --engine": ["bench_serve.py", "--engine"]}
 # The benchmarks a user runs: a short list on purpose (a one-question experiment becomes an option of one of
 # these, or its conclusion goes into the docs).
 ENTRY_POINTS = {"bench.py", "bench_spec.py", "bench_heads.py", "bench_serve.py", "bench_rollout.py",
-                "bench_outputs.py", "bench_kernel.py", "bench_profile.py", "bench_compile.py"}
+                "bench_outputs.py", "bench_kernel.py", "bench_profile.py", "bench_compile.py",
+                "bench_device.py"}
 
 
 # ------------------------------------------------------------------------------------------------ cli
@@ -131,7 +133,7 @@ def test_the_page_names_a_block_for_every_benchmark():
     """docs/benchmarks.md has a block for each kept benchmark, and `make bench` writes the page's blocks."""
     text = page.PAGE.read_text()
     for name in ("plain", "spec", "heads", "serve", "rollout", "outputs-json", "outputs-edits", "kernel-attention",
-                 "kernel-verify-cost", "profile", "compile"):
+                 "kernel-verify-cost", "profile", "compile", "roofline", "device"):
         assert f"<!-- bench:{name} -->" in text and f"<!-- /bench:{name} -->" in text, name
     assert {p.name for p in SCRIPTS.glob("bench*.py")} == ENTRY_POINTS
     assert (REPO / "Makefile").read_text().count("--write-page") >= len(ENTRY_POINTS)

@@ -175,7 +175,7 @@ def run_models(models: list[str], dtype: str, rows: list[int], ts: list[int], co
         lm = load(name, dtype=dtype)
         jax.block_until_ready(lm.params)
         load_s = time.perf_counter() - start
-        out.append({"model": name, "dtype": dtype, "context": context, "load_s": load_s,
+        out.append({"model": lm.name, "dtype": dtype, "context": context, "load_s": load_s,
                     "parameters": sum(weight_count(lm.config).values()),
                     "results": model_roofline(lm, rows, ts, context, peaks, repeats=repeats, forwards=forwards,
                                               max_row_tokens=max_row_tokens)})
