@@ -68,5 +68,5 @@ bench: install
 	$(PYTHON) scripts/bench_kernel.py mesh estimate --write-page
 	$(PYTHON) scripts/bench_kernel.py roofline --rows 1,8,64 --ts 1,5,9 --max-row-tokens 128 --context 256 --repeats 3 \
 		--write-page
-	$(PYTHON) scripts/bench_profile.py --api generate --method sam --prompts 1 --samples 1 --temperature 0 \
+	$(PYTHON) scripts/bench_kernel.py profile --api generate --method sam --prompts 1 --samples 1 --temperature 0 \
 		--top 8 --threads 3 --write-page

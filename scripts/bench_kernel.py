@@ -6,6 +6,7 @@ cost, the model on device meshes, and a decode step against the device's rooflin
     python scripts/bench_kernel.py verify-cost [ARGS]   # c(T): XLA's matmul, the CPU kernel (benchkit/verify_cost.py)
     python scripts/bench_kernel.py mesh measure|layout|estimate [ARGS]   # device meshes (benchkit/mesh.py)
     python scripts/bench_kernel.py roofline [ARGS]      # a decode step against its roofline (benchkit/roofline.py)
+    python scripts/bench_kernel.py profile [ARGS]       # where the time goes: a profiler trace (benchkit/profile.py)
 
 Verification attention on a GPU: the Pallas kernel against XLA's attention, side by side.
 
@@ -122,7 +123,8 @@ def measure(args, batch: int, num_new: int, num_slots: int, rng: np.random.Gener
     return rows
 
 
-MODES = {"verify-cost": "benchkit.verify_cost", "mesh": "benchkit.mesh", "roofline": "benchkit.roofline"}
+MODES = {"verify-cost": "benchkit.verify_cost", "mesh": "benchkit.mesh", "roofline": "benchkit.roofline",
+         "profile": "benchkit.profile"}
 
 
 def main(argv=None) -> int:

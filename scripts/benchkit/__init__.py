@@ -8,7 +8,7 @@
 - acceptance: mean acceptance length over several calls, from the stats objects' own definition;
 - peer_hf: the Hugging Face transformers peer;
 - page: docs/benchmarks.md's generated blocks (`--write-page`), and the reports' JSON in bench_out/;
-- trace: a jax.profiler trace summed by event (scripts/bench_profile.py);
+- trace: a jax.profiler trace summed by event (benchkit/profile.py);
 - verify_cost, mesh: `bench_kernel.py verify-cost` and `bench_kernel.py mesh`.
 
 The two largest benchmarks keep their pieces in subpackages: spec/ (scripts/bench_spec.py) and serve/

@@ -6,9 +6,9 @@ Python and XLA threads), its busy time and the events that took the most of it: 
 launches on a GPU, the host calls between chunks. The trace itself (`perfetto_trace.json.gz` under --out)
 opens in https://ui.perfetto.dev for the timeline.
 
-    python scripts/bench_profile.py                                        # rollout-none, 8 x 8, 32 tokens
-    python scripts/bench_profile.py --method group_sam --speculation always
-    python scripts/bench_profile.py --api generate --method sam --prompts 1 --samples 1 --temperature 0
+    python scripts/bench_kernel.py profile                               # rollout-none, 8 x 8, 32 tokens
+    python scripts/bench_kernel.py profile --method group_sam --speculation always
+    python scripts/bench_kernel.py profile --api generate --method sam --prompts 1 --samples 1 --temperature 0
 
 Meant for an accelerator, where a step costs a few milliseconds and the question is which of its kernels,
 copies and host synchronisations take them; on a CPU it works too, but the XLA threads' events are coarse.
@@ -104,11 +104,7 @@ def main(argv=None) -> int:
                                         f"{e['total_ms'] / max(steps, 1):.3f}") for e in t["top"]]) + "\n")
     report = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "run": line,
               "wall_ms": wall_ms, "steps": steps, "threads": threads}
-    output.write(args.out, "bench_profile", report, "\n".join(text))
+    output.write(args.out, "profile", report, "\n".join(text))
     if args.write_page:
         page.write(args.write_page, "\n".join(text), info, report)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
