@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speculation", default="adaptive", choices=("adaptive", "always", "off"),
                         help="the rollouts' speculation policy (always: measure drafting quality where it loses)")
-    parser.add_argument("--out", default="results/rollout")
+    parser.add_argument("--out", default="bench_out/rollout")
     page.add_option(parser, "rollout")
     args = parser.parse_args(argv)
     jaxspec.enable_compilation_cache()  # every figure is taken after a warm-up: a cached compile only shortens the run
