@@ -168,7 +168,8 @@ def main(argv=None) -> int:
     print((text + plain[0].text[0]).rstrip())
     print("-" * 79)
 
-    print(f"\n{'prompt':<20}{'kind':<6}{'tokens':>7}{'plain tok/s':>13}{args.method + ' tok/s':>13}"
+    w = max(len("prompt"), *(len(name) for name, _, _ in chosen)) + 2
+    print(f"\n{'prompt':<{w}}{'kind':<6}{'tokens':>7}{'plain tok/s':>13}{args.method + ' tok/s':>13}"
           f"{'speedup':>9}{'accept len':>12}{'accepted':>11}  same text")
     speedups, lengths, mismatched = [], [], []
     for i, ((name, kind, _), p, s) in enumerate(zip(chosen, plain, spec)):
@@ -178,18 +179,18 @@ def main(argv=None) -> int:
         lengths.append(s.stats.mean_acceptance_length)
         if not same:
             mismatched.append(i)
-        print(f"{name:<20}{kind:<6}{len(p.token_ids[0]):>7}{p.stats.decode_tokens_per_s:>13.1f}"
+        print(f"{name:<{w}}{kind:<6}{len(p.token_ids[0]):>7}{p.stats.decode_tokens_per_s:>13.1f}"
               f"{s.stats.decode_tokens_per_s:>13.1f}{speedup:>8.2f}x{s.stats.mean_acceptance_length:>12.2f}"
               f"{f'{s.stats.accepted}/{s.stats.drafted}':>11}  {'yes' if same else 'NO'}")
 
-    spread = statistics.pstdev(speedups)
-    print(f"\nspeedup ({args.method} vs plain, decode tokens/s): mean {statistics.fmean(speedups):.2f}x "
-          f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x, std {spread:.2f}) over {len(speedups)} prompts; "
-          f"mean acceptance length {statistics.fmean(lengths):.2f} tokens per step")
+    # The geometric mean: speedups are ratios, and one prompt that repeats itself should not stand for the rest.
+    print(f"\nspeedup ({args.method} vs plain, decode tokens/s): geometric mean {statistics.geometric_mean(speedups):.2f}x "
+          f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x, std {statistics.pstdev(speedups):.2f}) over "
+          f"{len(speedups)} prompts; mean acceptance length {statistics.fmean(lengths):.2f} tokens per step")
     for k in ("code", "chat"):
         part = [x for (_, kind, _), x in zip(chosen, speedups) if kind == k]
         if part:
-            print(f"  {k}: mean {statistics.fmean(part):.2f}x over {len(part)} prompts")
+            print(f"  {k}: geometric mean {statistics.geometric_mean(part):.2f}x over {len(part)} prompts")
     if mismatched:
         for i in mismatched:
             print(f"MISMATCH: {args.method} output differs from plain decoding on {chosen[i][0]}:\n"
