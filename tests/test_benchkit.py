@@ -87,11 +87,15 @@ MACHINE = {"machine": "x86_64, 2 cores", "cpu": "Some CPU", "jax": "0.10.2", "fl
 
 def test_page_block_has_markers_machine_command_and_demoted_headings():
     text = ("x86_64, 2 cores (Some CPU), jax 0.10.2, flax 0.12.8, 2026-11-23 10:00\n"
+            "**plain decoding, x86_64, 2 cores (Some CPU), jax 0.10.2, flax 0.12.8, cpu (1 x cpu), 2026-11-23 09:59**\n"
+            "x86_64, 2 cores (Some CPU), jax 0.10.2, flax 0.12.8, 2026-11-23 09:58 | 4 forced host devices\n"
             "## T = 0.7\nrows:\n| a |\n|---|\n| 1 |\n")
     got = page.block("rollout", text, MACHINE, "python scripts/bench_rollout.py --prompts 2")
+    # The machine is said once, in the header: its mentions in the report's own lines are dropped.
     assert got == ("<!-- bench:rollout -->\n"
-                   "Measured on x86_64, 2 cores (Some CPU), jax 0.10.2, flax 0.12.8, 2026-11-23 10:00:\n\n"
-                   "```\npython scripts/bench_rollout.py --prompts 2\n```\n\n"
+                   "Measured on x86_64, 2 cores (Some CPU), jax 0.10.2, flax 0.12.8, 2026-11-23 10:00 by "
+                   "`python scripts/bench_rollout.py --prompts 2`:\n\n"
+                   "**plain decoding**\n4 forced host devices\n"
                    "**T = 0.7**\nrows:\n\n| a |\n|---|\n| 1 |\n"
                    "<!-- /bench:rollout -->")
 
@@ -113,7 +117,7 @@ def test_page_write_replaces_the_block_and_writes_the_json(tmp_path):
                      page=doc, json_dir=tmp_path / "json")
     written = doc.read_text()
     assert "not generated yet" not in written and written.endswith("<!-- /bench:plain -->\n\nafter\n")
-    assert "```\npython scripts/bench.py --batches 1,8\n```" in written and "| 2 |" in written
+    assert "by `python scripts/bench.py --batches 1,8`:" in written and "| 2 |" in written
     import json
 
     assert json.loads(out.read_text()) == {"name": "plain", "command": "python scripts/bench.py --batches 1,8",

@@ -1,8 +1,9 @@
 """docs/benchmarks.md is generated: each benchmark writes its own block of it, and rerunning replaces the block.
 
-A block sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` and holds the machine (`machine.line`: CPU
-model, cores, jax and flax versions, device, date), the exact command line that produced it, and the report's
-markdown (its headings turned into bold lines, so a block never adds to the page's outline). Text outside the
+A block sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`: one header line with the machine
+(`machine.line`: CPU model, cores, jax and flax versions, device, date) and the exact command line that produced
+it, then the report's markdown (its headings turned into bold lines, so a block never adds to the page's outline;
+the machine, which reports print in their own titles for the terminal, said only once). Text outside the
 markers is written by hand and left alone; a block whose markers are missing is added at the end of the page.
 
 The report's JSON goes to bench_out/NAME.json (git-ignored), not beside the page: it is large, specific to one
@@ -47,12 +48,28 @@ def command_line(argv: list[str] | None = None, script: str | None = None) -> st
     return shlex.join(["python", str(path), *argv[1:]])
 
 
-def _demote(text: str, machine_line: str) -> str:
-    """Headings as bold lines, a blank line before each table, the machine line the header already gives dropped."""
+def _machine_mention(machine_info: dict) -> re.Pattern:
+    """The machine as reports print it inside their own titles and notes (`machine.line`, whatever device and
+    minute they recorded), with the separator before it: the block's header already says it once."""
+    head = re.escape(f"{machine_info['machine']} ({machine_info['cpu']}), jax {machine_info['jax']}, "
+                     f"flax {machine_info['flax']}")
+    return re.compile(rf"(?:,|;| \||:)? ?{head}(?:, [\w-]+ \([^)]*\))?(?:, matmul precision \w+)?"
+                      rf"(?:, \d{{4}}-\d\d-\d\d(?: \d\d:\d\d)?)?")
+
+
+def _demote(text: str, machine_info: dict) -> str:
+    """Headings as bold lines, a blank line before each table, and the machine the header already gives dropped
+    (a line that is only the machine, or its mention inside a title)."""
+    mention = _machine_mention(machine_info)
     lines: list[str] = []
     for line in text.strip("\n").split("\n"):
-        if line.strip() == machine_line:
-            continue
+        if mention.search(line):
+            bold = line.startswith("**")
+            line = mention.sub("", line).lstrip(" ,;:|").rstrip(" ,;:|*")
+            if not line.strip(" *"):
+                continue
+            if bold:
+                line += "**"
         heading = re.match(r"^#{1,6}\s+(.*)$", line)
         line = f"**{heading.group(1).strip()}**" if heading else line
         if line.startswith("|") and lines and lines[-1].strip() and not lines[-1].startswith("|"):
@@ -62,12 +79,10 @@ def _demote(text: str, machine_line: str) -> str:
 
 
 def block(name: str, text: str, machine_info: dict, command: str) -> str:
-    """The whole block, markers included."""
-    line = machine.line(machine_info)
+    """The whole block, markers included: one header line (machine, date, command), then the report."""
     return (f"<!-- bench:{name} -->\n"
-            f"Measured on {line}:\n\n"
-            f"```\n{command}\n```\n\n"
-            f"{_demote(text, line)}\n"
+            f"Measured on {machine.line(machine_info)} by `{command}`:\n\n"
+            f"{_demote(text, machine_info)}\n"
             f"<!-- /bench:{name} -->")
 
 
