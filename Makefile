@@ -58,15 +58,15 @@ bench: install
 	$(PYTHON) scripts/bench_serve.py --engine --requests 16 --max-tokens 32 --repeats 2 --write-page
 	$(PYTHON) scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 128 --temperatures 0.7 \
 		--methods generate,none,group_sam --write-page
-	$(PYTHON) scripts/bench_outputs.py json --prompts 10 --new-tokens 64 --write-page
-	$(PYTHON) scripts/bench_outputs.py edits --prompts 6 --requests 4 --new-tokens 64 --write-page
+	$(PYTHON) scripts/bench_outputs.py json --skip 10 --prompts 6 --new-tokens 64 --write-page
+	$(PYTHON) scripts/bench_outputs.py edits --prompts 4 --requests 4 --new-tokens 64 --write-page
 	if $(PYTHON) -c 'import jax; raise SystemExit(jax.default_backend() == "cpu")'; then \
 		$(PYTHON) scripts/bench_kernel.py --batches 1,8 --widths 4,16 --caches 1024,8192 --splits "" --write-page; fi
 	$(PYTHON) scripts/bench_kernel.py verify-cost --skip-micro --batch1-ts 1,3,5,9,17 --batch8-ts 1,9 --repeats 3 \
 		--write-page
-	$(PYTHON) scripts/bench_kernel.py mesh measure --devices 4 --batch 4 --new-tokens 16 --write-page
+	$(PYTHON) scripts/bench_kernel.py mesh measure --devices 2 --batch 2 --new-tokens 16 --write-page
 	$(PYTHON) scripts/bench_kernel.py mesh estimate --write-page
 	$(PYTHON) scripts/bench_kernel.py roofline --rows 1,8,64 --ts 1,5,9 --max-row-tokens 128 --context 256 --repeats 3 \
 		--write-page
 	$(PYTHON) scripts/bench_kernel.py profile --api generate --method sam --prompts 1 --samples 1 --temperature 0 \
-		--top 8 --threads 3 --write-page
+		--top 5 --threads 2 --write-page

@@ -185,7 +185,8 @@ def bench_json(lm, args) -> list[str]:
     conditions = {"free": {}, "json/none": {"spec": SpecConfig(forced_tokens=0)}, "json/forced": {"spec": SpecConfig()},
                   "json/forced+sam": {"spec": SpecConfig(method="sam")}, "free/sam": {"spec": SpecConfig(method="sam")}}
     per = {name: [] for name in conditions}  # per prompt: (rate vs free, time vs free, steps, tokens, s/step)
-    for i, (passage, family) in enumerate(PASSAGES[: args.prompts]):
+    chosen = list(enumerate(PASSAGES))[args.skip: args.skip + args.prompts]  # (index in PASSAGES, passage)
+    for i, (passage, family) in chosen:
         fields = FAMILIES[family]
         schema = schema_of(fields)
         message = f"Extract the fields {', '.join(fields)} from this text as JSON.\n\n{passage}"
@@ -211,20 +212,23 @@ def bench_json(lm, args) -> list[str]:
         print(f"prompt {i}: " + " | ".join(f"{n} {per[n][-1][0]:.2f}x ({per[n][-1][2]} steps)" for n in conditions)
               + f" | {outs[0].text[0]}", flush=True)
 
-    def table(first: int, last: int) -> str:
-        rows = [[name, f"{_geomean([v[0] for v in values[first:last]]):.2f}x",
-                 f"{_geomean([v[1] for v in values[first:last]]):.2f}",
-                 f"{sum(v[3] for v in values[first:last]) / sum(v[2] for v in values[first:last]):.2f}",
-                 f"{1000 * statistics.fmean(v[4] for v in values[first:last]):.1f}"] for name, values in per.items()]
+    def table(picked: list[int]) -> str:
+        rows = []
+        for name, values in per.items():
+            v = [values[k] for k in picked]
+            rows.append([name, f"{_geomean([x[0] for x in v]):.2f}x", f"{_geomean([x[1] for x in v]):.2f}",
+                         f"{sum(x[3] for x in v) / sum(x[2] for x in v):.2f}",
+                         f"{1000 * statistics.fmean(x[4] for x in v):.1f}"])
         return tables.markdown(["condition", "tokens/s vs free (geomean)", "time per completion vs free",
                                 "tokens per step", "ms per step"], rows)
 
-    n = len(per["free"])
-    lines = [f"### Structured output: {n} extraction requests with a JSON schema, up to {args.new_tokens} tokens, "
-             f"median of {args.repeats} round(s)", "", table(0, n)]
-    if n > HELD_OUT:
-        lines += ["", f"The {n - HELD_OUT} held-out requests (passages {HELD_OUT}-{n - 1}) alone:", "",
-                  table(HELD_OUT, n)]
+    n = len(chosen)
+    held = [k for k, (i, _) in enumerate(chosen) if i >= HELD_OUT]
+    lines = [f"### Structured output: {n} extraction requests with a JSON schema (passages {chosen[0][0]}-"
+             f"{chosen[-1][0]}, {len(held)} of them held out), up to {args.new_tokens} tokens, median of "
+             f"{args.repeats} round(s)", "", table(list(range(n)))]
+    if 0 < len(held) < n:
+        lines += ["", f"The {len(held)} held-out requests alone:", "", table(held)]
     return lines
 
 
@@ -232,6 +236,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", choices=("edits", "json"))
     p.add_argument("--prompts", type=int, default=20, help="prompts (default: %(default)s)")
+    p.add_argument("--skip", type=int, default=0,
+                   help=f"json: start after this many passages ({HELD_OUT} measures the held-out ones only; "
+                        "default: %(default)s)")
     p.add_argument("--requests", type=int, default=20, help="edit requests (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens per completion (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
@@ -239,6 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write the markdown tables to this file")
     page.add_option(p, "outputs-WORKLOAD")
     args = p.parse_args(argv)
+    if not 0 <= args.skip < len(PASSAGES) or args.prompts < 1:
+        p.error(f"--skip {args.skip} must be in 0..{len(PASSAGES) - 1} and --prompts {args.prompts} >= 1")
     if args.write_page == "outputs-WORKLOAD":
         args.write_page = f"outputs-{args.workload}"
     jaxspec.enable_compilation_cache()  # every figure is taken after a warm-up: a cached compile only shortens the run

@@ -37,8 +37,11 @@ def _set_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-# Mesh shapes (data, model) measured on 8 devices, and whether the model axis splits attention heads.
-MESHES = ((1, 1), (8, 1), (4, 2), (2, 4), (1, 8), (2, 3))
+def mesh_shapes(devices: int) -> list[tuple[int, int]]:
+    """(data, model) shapes to measure on `devices` devices: one device (the reference), every way to use them all,
+    and (2, 3) where it fits (a model axis that divides neither the 9 query nor the 3 KV heads' blocks evenly)."""
+    shapes = [(1, 1)] + [(d, devices // d) for d in range(devices, 0, -1) if devices % d == 0 and devices > 1]
+    return shapes + ([(2, 3)] if devices >= 6 else [])
 
 
 def _bytes_on_first_device(tree) -> int:
@@ -62,9 +65,7 @@ def measure(args) -> None:
     lm = jaxspec.load_model()
     prompts = workloads.held_out_prompts(lm.tokenizer, limit=args.batch)
     rows, reference = [], {}
-    for data, model in MESHES:
-        if data * model > len(jax.devices()):
-            continue
+    for data, model in mesh_shapes(len(jax.devices())):
         mesh = make_mesh(data, model)
         rules = ShardingRules.fitting(lm.config, mesh)
         whole_attention = rules.heads is None
@@ -87,8 +88,7 @@ def measure(args) -> None:
                                                                        ".1f"),
                    tables.fmt(_bytes_on_first_device(state.cache) / 2**20, ".1f"), "yes" if same else "NO"]
             rows.append(row)
-            print(tables.row(row), flush=True)
-    print()
+            print(tables.row(row), file=sys.stderr, flush=True)  # progress; the table below is the report
     print(tables.markdown(["mesh (data, model)", "attention", "method", "rows", "ms / step", "steps",
                            "params MiB / device", "cache MiB / device", "tokens = 1 device"], rows))
 

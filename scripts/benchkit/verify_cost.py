@@ -14,7 +14,7 @@ it costs several (docs/cpu-performance.md). Two measurements, each path's calls 
    XLA's one-token forward instead.
 
 Medians over `--repeats` interleaved rounds (each round visits every configuration, every other round in
-reverse order); the load average is printed before and after each table, as this machine is often shared.
+reverse order); the load average is printed after each table, as this machine is often shared.
 
     python scripts/bench_kernel.py verify-cost                       # both parts, batch 1 and 8 (~15 min on 2 cores)
     python scripts/bench_kernel.py verify-cost --skip-model          # the microbenchmark alone (~1 min)
@@ -99,7 +99,7 @@ def micro(ts: list[int], repeats: int, loops: int, kernel: bool) -> None:
             x = jnp.asarray(rng.standard_normal((MICRO_IN, t)), jnp.float32)
             runs[(name, t)] = timer(functools.partial(lambda fn, x: fn(ws, wts, x).block_until_ready(), fn, x))
     print(f"## Thirty [{MICRO_OUT}, {MICRO_IN}] x [{MICRO_IN}, T] products (ms per thirty; median of {repeats} "
-          f"interleaved rounds, {loops} passes per timed call)\n\n{load()}\n")
+          f"interleaved rounds, {loops} passes per timed call)\n")
     times = interleave(runs, repeats, alternate=True)
     ms = {key: 1000 * statistics.median(v) / loops for key, v in times.items()}
     best = {key: 1000 * min(v) / loops for key, v in times.items()}
@@ -164,7 +164,7 @@ def model_table(lm, batch: int, ts: list[int], impls: list[str], args) -> None:
     ts = sorted(set(ts) | {1})
     print(f"## c(T) at batch {batch}: forward over T new tokens per row / one-token forward ({args.cache_len}-slot "
           f"cache, {args.context} tokens cached; median of {args.repeats} interleaved rounds of {args.forwards} "
-          f"forwards)\n\n{load()}\n")
+          f"forwards)\n")
     ms = cost_curves(lm, batch, ts, impls, args)
     columns = ["T", "rows"]
     for impl in impls:

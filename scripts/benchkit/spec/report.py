@@ -35,8 +35,7 @@ def markdown(report: dict) -> str:
             lines.append(row([first["T"]] + [cell for b in batches
                                              for cell in (f"{costs[b][i]['ms']:.1f}", f"{costs[b][i]['c']:.2f}")]))
         lines.append("")
-    lines += ["## Runs", "",
-              "MAL: mean acceptance length (tokens committed per active row-step). c(K+1): the cost of the widest "
+    lines += ["MAL: mean acceptance length (tokens committed per active row-step). c(K+1): the cost of the widest "
               "verify in decode steps; MAL / c(K+1) is the speedup were every step verified at that width. "
               "tokens/s and speedup: prefill + decode, as a user sees them (the targets use these); decode "
               "speedup: the decode loop alone (prefill is the same work for every method). "
