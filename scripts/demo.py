@@ -184,8 +184,9 @@ def main(argv=None) -> int:
               f"{f'{s.stats.accepted}/{s.stats.drafted}':>11}  {'yes' if same else 'NO'}")
 
     # The geometric mean: speedups are ratios, and one prompt that repeats itself should not stand for the rest.
-    print(f"\nspeedup ({args.method} vs plain, decode tokens/s): geometric mean {statistics.geometric_mean(speedups):.2f}x "
-          f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x, std {statistics.pstdev(speedups):.2f}) over "
+    print(f"\nspeedup ({args.method} vs plain, decode tokens/s): geometric mean "
+          f"{statistics.geometric_mean(speedups):.2f}x (min {min(speedups):.2f}x, max {max(speedups):.2f}x, "
+          f"std {statistics.pstdev(speedups):.2f}) over "
           f"{len(speedups)} prompts; mean acceptance length {statistics.fmean(lengths):.2f} tokens per step")
     for k in ("code", "chat"):
         part = [x for (_, kind, _), x in zip(chosen, speedups) if kind == k]
