@@ -39,7 +39,8 @@ def _set_devices(count: int) -> None:
 
 def mesh_shapes(devices: int) -> list[tuple[int, int]]:
     """(data, model) shapes to measure on `devices` devices: one device (the reference), every way to use them all,
-    and (2, 3) where it fits (a model axis that divides neither the 9 query nor the 3 KV heads' blocks evenly)."""
+    and (2, 3) where it fits: a model axis of 3 divides the default model's 3 KV heads, so attention splits over it,
+    where model axes of 2, 4 and 8 keep attention whole (`ShardingRules.fitting`)."""
     shapes = [(1, 1)] + [(d, devices // d) for d in range(devices, 0, -1) if devices % d == 0 and devices > 1]
     return shapes + ([(2, 3)] if devices >= 6 else [])
 
