@@ -359,7 +359,7 @@ def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, samp
                     logprobs=logprobs, attention_impl=attention_impl,
                     predictions=predicted.normalise(lm, prediction, len(ids), lm.config.vocab_size),
                     constraint=constrained.rows_for(lm, constraint, len(ids)),
-                    stop=_stop_strings(lm, stop, len(ids)))
+                    stop=check_stop_strings(lm, stop, len(ids)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -649,7 +649,7 @@ def generate(
                    prediction_counts=predicted.counts(pstate) if req.predictions is not None else None)
 
 
-def _stop_strings(lm: LanguageModel, stop, batch: int) -> tuple[tuple[str, ...], ...] | None:
+def check_stop_strings(lm: LanguageModel, stop, batch: int) -> tuple[tuple[str, ...], ...] | None:
     """`generate`'s `stop=`: None, a string or a list of strings for every row, or one list (or None) per row.
     ValueError naming the bad entry."""
     if stop is None:
@@ -669,7 +669,7 @@ def _stop_strings(lm: LanguageModel, stop, batch: int) -> tuple[tuple[str, ...],
     return tuple(tuple(r) for r in rows) if any(rows) else None
 
 
-def _cut_at_stop_string(lm: LanguageModel, tokens: list[int], stops: Sequence[str]) -> tuple[list[int], str] | None:
+def cut_at_stop_string(lm: LanguageModel, tokens: list[int], stops: Sequence[str]) -> tuple[list[int], str] | None:
     """(the tokens up to and including the one completing the first stop string, the text before the stop
     string), or None when no stop string occurs. A stop string may span tokens and end mid-token."""
     stream = TextStream(lm.tokenizer, stops)
@@ -691,7 +691,7 @@ def _result(lm: LanguageModel, req: _Request, history, history_len, steps, count
         reasons.append("stop" if stopped else "length")
         body = row[:-1] if stopped else row
         text = lm.tokenizer.decode(body, skip_special_tokens=True) if lm.tokenizer else ""
-        cut = _cut_at_stop_string(lm, body, req.stop[i]) if req.stop is not None and req.stop[i] else None
+        cut = cut_at_stop_string(lm, body, req.stop[i]) if req.stop is not None and req.stop[i] else None
         if cut is not None:  # a stop string: the row ends with the token completing it, the text before it
             row, text = cut
             token_ids[i] = row

@@ -289,6 +289,8 @@ def test_memory_bound_names_the_setting(peaked_lm, monkeypatch):
     (dict(logprobs_mode="tempered"), "logprobs_mode"),
     (dict(speculation="sometimes"), "speculation"),
     (dict(seed=-1), "seed"),
+    (dict(stop="\n"), "tokenizer"),
+    (dict(stop=["a", ""]), r"stop\[0\]"),
     (dict(group_capacity=0), "group_capacity"),
     (dict(spec=None, group_capacity=64), "group_capacity"),
     (dict(spec=SpecConfig(method="group_sam", sam_index="match"), group_capacity=64), "group_capacity=64"),
@@ -300,6 +302,30 @@ def test_bad_input_names_the_value(peaked_lm, kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         jaxspec.rollout(peaked_lm, args.pop("prompts"), **args)
+
+
+STOP_STRINGS = ["\n\n", "."]
+
+
+def test_stop_strings_end_samples_early_and_cut_as_generate_does(smollm2):
+    """A sample whose text reaches a stop string leaves the batch after that chunk (the rest run on in a smaller
+    one) and is cut where `generate(stop=...)` cuts it, with the same seeds."""
+    prompts = ["def add(a, b):\n", "Write a haiku about rain."]
+    sampling = SamplingParams(temperature=0.7)
+    kw = dict(num_samples=3, max_new_tokens=48, sampling=sampling, stop=STOP_STRINGS, chunk_steps=8, seed=3)
+    res = jaxspec.rollout(smollm2, prompts, **kw)
+    seeds = sample_seeds(3, len(prompts), 3).reshape(-1)
+    ref = jaxspec.generate(smollm2, [p for p in prompts for _ in range(3)], max_new_tokens=48, stop=STOP_STRINGS,
+                           sampling=[SamplingParams(temperature=0.7, seed=int(s)) for s in seeds])
+    assert [t for group in res.token_ids for t in group] == ref.token_ids
+    assert [t for group in res.text for t in group] == ref.text
+    assert [r for group in res.finish_reason for r in group] == ref.finish_reason
+    assert all(not any(s in t for s in STOP_STRINGS) for group in res.text for t in group)
+    lengths = [len(t) for group in res.token_ids for t in group]
+    assert min(lengths) < 48 and sum(r == "stop" for g in res.finish_reason for r in g) >= 2, lengths
+    assert [len(lp) for group in res.logprobs for lp in group] == lengths
+    # The stopped samples left the batch: after the first chunk no chunk ran all six rows.
+    assert res.stats.chunks[-1].batch < 6 and res.stats.chunks[-1].active < 6
 
 
 def test_params_of_other_shapes_are_refused(peaked_lm):

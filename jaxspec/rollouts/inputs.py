@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import SamplingParams, SpecConfig, is_integer
-from ..generation import _stop_ids, available_memory, normalise_prompts, rows_bytes
+from ..generation import _stop_ids, available_memory, check_stop_strings, normalise_prompts, rows_bytes
 from ..limits import check_token_ids, is_token_list
 from ..models.loading import LanguageModel
 from ..proposers.group_sam import GroupReferences
@@ -35,6 +35,7 @@ class RolloutInputs:
     references: GroupReferences | None  # earlier completions per prompt (group_sam's draft material)
     logprobs: bool
     logprobs_mode: str  # "sampling" | "raw"
+    stop: tuple[tuple[str, ...], ...] | None  # per prompt, the stop strings (None: none anywhere)
 
     @property
     def num_prompts(self) -> int:
@@ -148,7 +149,7 @@ def _describe(x) -> str:
 
 
 def validate(lm: LanguageModel, prompts, *, num_samples, max_new_tokens, sampling, spec, params, references,
-             logprobs, logprobs_mode, seed, stop_token_ids, ignore_eos, prompt_offset=0) -> RolloutInputs:
+             logprobs, logprobs_mode, seed, stop_token_ids, ignore_eos, stop=None, prompt_offset=0) -> RolloutInputs:
     """Every argument checked, in the order of the signature, and normalised."""
     if isinstance(prompts, (list, tuple)) and len(prompts) == 0:
         raise ValueError("prompts=[] must hold at least one prompt")
@@ -188,9 +189,10 @@ def validate(lm: LanguageModel, prompts, *, num_samples, max_new_tokens, samplin
     rows = SamplingParams.stack([s for s in per_prompt for _ in range(num_samples)])
     rows = rows.replace(seed=jnp.asarray(seeds))
     stops = _stop_ids(lm, len(ids), stop_token_ids, ignore_eos)  # i32[P, M]
+    stop_strings = check_stop_strings(lm, stop, len(ids))
     return RolloutInputs(ids=ids, num_samples=num_samples, max_new_tokens=max_new_tokens, sampling=rows,
                          stop_table=np.repeat(stops, num_samples, axis=0), spec=spec, params=params,
-                         references=refs, logprobs=bool(logprobs), logprobs_mode=logprobs_mode)
+                         references=refs, logprobs=bool(logprobs), logprobs_mode=logprobs_mode, stop=stop_strings)
 
 
 def check_memory(lm: LanguageModel, *, num_prompts: int, num_samples: int, max_new_tokens: int, logprobs: bool,

@@ -4,7 +4,8 @@ The loop:
 1. Prefill each prompt once and copy its K/V into its G rows (`prefill(group_size=G)`); each row samples its
    first token with its own seed.
 2. Decode in chunks of `chunk_steps` steps (`decode_chunk`, the jitted loop). Between chunks the host reads
-   which rows finished (one small transfer) and
+   which rows finished (one small transfer; with stop strings, the rows' text too, and a sample whose text
+   reached one is marked finished: `StopStrings`) and
    - compacts: when the samples still running fit a smaller compiled batch (powers of two from 8 below the
      first batch, and 1: XLA:CPU runs 2-7 rows no faster than 8), the finished rows are read back and the
      running ones move to the front of the smaller batch (`jaxspec.engine.slots.regroup`, the engine's own
@@ -32,7 +33,7 @@ from .. import cost, sharding
 from ..config import SamplingParams, SpecConfig
 from ..decode import DecodeState, NoProposer, RowLimits, decode_chunk, prefill
 from ..engine import slots
-from ..generation import default_attention_impl
+from ..generation import cut_at_stop_string, default_attention_impl
 from ..methods import build_proposer
 from ..models.loading import LanguageModel
 from ..penalties import any_penalty
@@ -41,6 +42,7 @@ from ..shapes import bucket_shapes
 from .inputs import RolloutInputs, check_memory, validate
 from .policy import MODES, TailPolicy, overhead_for
 from .result import ChunkRecord, RolloutResult, SampleRecord, timeline_stats
+from .stops import StopStrings
 
 MIN_COMPACT_BATCH = 8  # below 8 rows XLA:CPU runs a forward no faster than at 8 (docs/cpu-performance.md)
 
@@ -59,7 +61,7 @@ def batch_buckets(num_rows: int, multiple: int = 1) -> tuple[int, ...]:
 
 def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int, sampling,
             spec: SpecConfig | None = None, params=None, references=None, logprobs: bool = True,
-            logprobs_mode: str = "sampling", seed: int = 0, stop_token_ids=(), ignore_eos: bool = False,
+            logprobs_mode: str = "sampling", seed: int = 0, stop_token_ids=(), stop=None, ignore_eos: bool = False,
             compaction: bool = True, speculation: str = "adaptive",
             chunk_steps: int = 16, group_capacity: int | None = None, shared_prefill: bool = True,
             attention_impl: str | None = None, prompt_offset: int = 0) -> RolloutResult:
@@ -73,7 +75,10 @@ def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int
     params: policy weights with the shapes of `lm.params` (an update from training), run without recompiling.
     logprobs: record each sampled token's log-probability, under the distribution it was sampled from
     (logprobs_mode="sampling": temperature, top-k, top-p, min-p applied, what a policy-gradient loss needs) or
-    under the target's raw softmax ("raw"). compaction: move the running samples to smaller compiled batches
+    under the target's raw softmax ("raw"). stop: strings that end a sample (a string or list for every prompt,
+    or one per prompt, as `generate`'s stop=): a sample leaves the batch after the chunk in which its text
+    reaches one, and is cut after the token completing it, its text before it (finish reason "stop").
+    compaction: move the running samples to smaller compiled batches
     as others finish. speculation: "adaptive" (draft where the measured cost pays, `TailPolicy`), "always"
     or "off". chunk_steps: decode steps between host visits. group_capacity (group_sam): the most tokens one
     group's index holds (default: all of them), given, the index is a suffix automaton (`spec.sam_index`
@@ -86,8 +91,8 @@ def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int
     """
     inputs = validate(lm, prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, sampling=sampling,
                       spec=spec, params=params, references=references, logprobs=logprobs,
-                      logprobs_mode=logprobs_mode, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                      prompt_offset=prompt_offset)
+                      logprobs_mode=logprobs_mode, seed=seed, stop_token_ids=stop_token_ids, stop=stop,
+                      ignore_eos=ignore_eos, prompt_offset=prompt_offset)
     for name, flag in (("compaction", compaction), ("shared_prefill", shared_prefill)):
         if not isinstance(flag, (bool, np.bool_)):
             raise ValueError(f"{name}={flag!r} must be True or False")
@@ -161,6 +166,8 @@ class _Rollout:
         self.max_new = np.full((inputs.num_rows,), inputs.max_new_tokens, np.int32)
         self.samples: dict[int, SampleRecord] = {}
         self.chunks: list[ChunkRecord] = []
+        self.stops = (StopStrings(lm.tokenizer, inputs.stop, inputs.num_samples, self.prompt_lens)
+                      if inputs.stop else None)
 
     # ------------------------------------------------------------------ per-row settings of a batch
 
@@ -269,8 +276,14 @@ class _Rollout:
                 state = decode_chunk(lm.graphdef, self.params, state, sampling, limits, self.proposer_params,
                                      proposer=self.proposer, widths=self.widths if cap else (1,),
                                      attention_impl=self.attention_impl, num_steps=self.chunk_steps)
-            done, step, row_steps, accepted_at = (np.asarray(x) for x in jax.device_get(
-                (state.done, state.steps, state.counters.steps, state.counters.accepted_at)))  # one readback
+            read = (state.done, state.steps, state.counters.steps, state.counters.accepted_at)
+            if self.stops is not None:
+                read += (state.history, state.history_len)
+            done, step, row_steps, accepted_at, *texts = (np.asarray(x) for x in jax.device_get(read))  # one readback
+            if self.stops is not None:
+                reached = self.stops.reached(rows, live & ~done, *texts)
+                if reached.any():  # these samples' text is complete: they leave at the next compaction
+                    state, done = slots.finish(state, np.nonzero(reached)[0]), done | reached
             run_s = time.perf_counter() - started - (cost.compile_seconds() - compiled)
             self.chunks.append(ChunkRecord(end_step=int(step), end_s=time.perf_counter() - t0, batch=len(rows),
                                            active=running, draft_cap=cap, run_s=run_s,
@@ -313,6 +326,8 @@ class _Rollout:
                                                    c.accepted, c.committed)))
         token_lp = None if state.logprobs is None else np.asarray(jax.device_get(state.logprobs.token))
         g = self.inputs.num_samples
+        if self.stops is not None:
+            self.stops.forget(rows[which])
         for i in np.nonzero(which)[0]:
             sample = int(rows[i])
             start, end = int(self.prompt_lens[sample // g]), int(history_len[i])
@@ -322,20 +337,33 @@ class _Rollout:
                 steps=int(steps[i]), drafted=int(drafted[i]), accepted=int(accepted[i]),
                 committed=committed[i, : int(steps[i])].copy())
 
+    def _finished(self, sample: SampleRecord, stop_ids: np.ndarray, stops: tuple[str, ...]):
+        """(tokens, text, finish reason, log-probabilities) of one sample: its tokens end with a stop id, or
+        with the token completing its first stop string (cut there, as `generate(stop=...)` cuts), or at the
+        budget; the text leaves out the stop id, the stop string and special tokens."""
+        tokens, tokenizer = sample.tokens, self.lm.tokenizer
+        stopped = bool(tokens) and tokens[-1] in set(stop_ids.tolist()) - {-1}
+        body = tokens[:-1] if stopped else tokens
+        cut = cut_at_stop_string(self.lm, body, stops) if stops else None
+        if cut is not None:
+            tokens, text = cut
+            stopped = True
+        else:
+            text = tokenizer.decode(body, skip_special_tokens=True) if tokenizer else ""
+        lp = None if sample.logprobs is None else sample.logprobs[: len(tokens)]
+        return tokens, text, "stop" if stopped else "length", lp
+
     def _result(self, wall_s: float, prefill_s: float) -> RolloutResult:
-        inputs, tokenizer = self.inputs, self.lm.tokenizer
+        inputs = self.inputs
         g = inputs.num_samples
         ordered = [self.samples[i] for i in range(inputs.num_rows)]
         token_ids, texts, reasons, logprobs = [], [], [], []
         for p in range(inputs.num_prompts):
             group = ordered[p * g: (p + 1) * g]
-            token_ids.append([s.tokens for s in group])
-            stops = [set(inputs.stop_table[p * g + j].tolist()) - {-1} for j in range(g)]
-            stopped = [bool(s.tokens) and s.tokens[-1] in stops[j] for j, s in enumerate(group)]
-            reasons.append(["stop" if st else "length" for st in stopped])
-            bodies = [s.tokens[:-1] if st else s.tokens for s, st in zip(group, stopped)]
-            texts.append([tokenizer.decode(b, skip_special_tokens=True) if tokenizer else "" for b in bodies])
-            logprobs.append([s.logprobs for s in group])
+            finished = [self._finished(s, inputs.stop_table[p * g + j], inputs.stop[p] if inputs.stop else ())
+                        for j, s in enumerate(group)]
+            for out, column in zip((token_ids, texts, reasons, logprobs), zip(*finished)):
+                out.append(list(column))
         stats = timeline_stats(ordered, self.chunks, wall_s=wall_s, prefill_s=prefill_s)
         seeds = np.asarray(inputs.sampling.seed).reshape(inputs.num_prompts, g)
         return RolloutResult(token_ids=token_ids, text=texts, finish_reason=reasons,
