@@ -29,6 +29,12 @@ or anywhere in its group, predicts. A plot shows active rows and committed token
     python scripts/bench_rollout.py                                   # 16 x 8, 256 tokens, T = 0.7 and 1.0
     python scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 128 --temperatures 0.7 --repeats 1
     python scripts/bench_rollout.py --methods none,group_sam@automaton,group_sam,group_sam/2 --speculation always
+    python scripts/bench_rollout.py --stop humaneval --new-tokens 512 --methods generate,none,group_sam
+
+`--stop humaneval` cuts each sample where HumanEval's scoring cuts it (the end of the function: "\\ndef",
+"\\nclass", "\\nif", "\\nprint", "\\n#"): completions end at different lengths, as an RL reward sees them, and a
+tail of few running samples forms. The table gives the tail's share of the rollout's wall time, and the active
+samples over time.
 """
 
 from __future__ import annotations
@@ -96,7 +102,8 @@ def parse_method(method: str) -> tuple[str, int | None, str]:
 def run(lm, method: str, prompts, common: dict, every, generate_sampling, earlier):
     """One timed call: `generate` over every sample, or a rollout with the method (earlier: the references)."""
     if method == "generate":
-        res = jaxspec.generate(lm, every, max_new_tokens=common["max_new_tokens"], sampling=generate_sampling)
+        res = jaxspec.generate(lm, every, max_new_tokens=common["max_new_tokens"], sampling=generate_sampling,
+                               stop=common.get("stop"))
         print(f"  generate: {res.stats.prefill_s + res.stats.decode_s:.1f} s", flush=True)
         return res
     name, paths, index = parse_method(method)
@@ -125,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speculation", default="adaptive", choices=("adaptive", "always", "off"),
                         help="the rollouts' speculation policy (always: measure drafting quality where it loses)")
+    parser.add_argument("--stop", default="none", choices=("none", "humaneval"),
+                        help="stop strings: none (samples end at EOS or the budget) or HumanEval's end of function")
     parser.add_argument("--out", default="bench_out/rollout")
     page.add_option(parser, "rollout")
     args = parser.parse_args(argv)
@@ -140,13 +149,15 @@ def main(argv=None) -> int:
             parser.error(f"--methods: {e}")
     info = machine.info()
     header = (f"{machine.line(info)}\n{len(prompts)} held-out HumanEval prompts x {args.samples} samples, up to "
-              f"{args.new_tokens} new tokens, top-p 1, speculation {args.speculation}, {args.repeats} timed "
-              "round(s) after a warm-up\n")
+              f"{args.new_tokens} new tokens, top-p 1, speculation {args.speculation}, "
+              + ("cut at HumanEval's stop strings, " if args.stop == "humaneval" else "")
+              + f"{args.repeats} timed round(s) after a warm-up\n")
     report, sections = {"machine": info, "args": vars(args), "temperatures": {}}, [header]
     out_dir = Path(args.out)
     for temperature in args.temperatures:
         sampling = SamplingParams(temperature=temperature)
-        common = dict(num_samples=args.samples, max_new_tokens=args.new_tokens, sampling=sampling, seed=args.seed)
+        common = dict(num_samples=args.samples, max_new_tokens=args.new_tokens, sampling=sampling, seed=args.seed,
+                      stop=list(workloads.HUMANEVAL_STOP) if args.stop == "humaneval" else None)
         earlier = jaxspec.rollout(lm, prompts, **common | {"seed": args.seed + 1000}, logprobs=False)
         common["speculation"] = args.speculation
         seeds = jaxspec.sample_seeds(args.seed, len(prompts), args.samples).reshape(-1)
@@ -176,6 +187,7 @@ def main(argv=None) -> int:
             rows.append((m, f"{wall[m]:.1f}", f"{statistics.median(x.stats.prefill_s for x in runs):.2f}",
                          tables.fmt(wall.get("none", np.nan) / wall[m], ".3f"),
                          tables.fmt(tail.get(m), ".1f"),
+                         tables.fmt(tail[m] / wall[m] if tail.get(m) is not None else None, ".2f"),
                          tables.fmt(tail["none"] / tail[m] if tail.get(m) and tail.get("none") else None, ".3f"),
                          tables.fmt(acc), tables.fmt(tail_acc), f"{tokens / wall[m]:.0f}",
                          f"{same}/{len(flat)}" if same is not None else "-",
@@ -191,11 +203,14 @@ def main(argv=None) -> int:
         entry["ceiling"] = dict(own=own, group=group)
         report["temperatures"][str(temperature)] = entry
         sections.append(f"## T = {temperature}\n\n" + tables.markdown(
-            ("method", "wall s", "prefill s", "vs rollout-none", "tail s", "tail vs none", "acceptance",
+            ("method", "wall s", "prefill s", "vs rollout-none", "tail s", "tail share", "tail vs none", "acceptance",
              "tail acceptance", "tokens/s", "same as generate", "same as rollout-none"), rows)
             + f"\n\nceiling: a {CONTEXT}-token context seen before predicts the next token for "
               f"{tables.fmt(own, '.3f')} of tokens (own text), {tables.fmt(group, '.3f')} (group)\n\n"
-            + "ms a step inside the chunks, by compiled batch and draft cap (in brackets), median over the chunks:\n"
+            + "active samples at 0, 25, 50, 75 and 90% of the wall time:\n"
+            + "".join(f"- {m}: {active_over_time(runs[-1].stats)}\n" for m, runs in samples.items()
+                      if m != "generate")
+            + "\nms a step inside the chunks, by compiled batch and draft cap (in brackets), median over the chunks:\n"
             + "".join(f"- {m}: {step_costs(runs[-1].stats.chunks)}\n" for m, runs in samples.items()
                       if m != "generate"))
         _plot(samples, temperature, out_dir)
@@ -206,6 +221,19 @@ def main(argv=None) -> int:
     differ = [m for m, e in ((m, report["temperatures"][t][m]) for t in report["temperatures"] for m in methods)
               if any(n is not None and n != total for n in (e["identical"], e["identical_to_none"]))]
     return output.exit_status(differ, "samples differ from generate's or rollout-none's")
+
+
+def active_over_time(stats) -> str:
+    """The samples still generating at fractions of the rollout's wall time, e.g. "64, 41, 12, 3, 1": how soon the
+    batch thins out into a tail."""
+    ends = np.asarray(stats.step_end_s)
+    active = np.asarray(stats.active_per_step)
+    counts = []
+    for f in (0.0, 0.25, 0.5, 0.75, 0.9):
+        at = f * stats.wall_s
+        counts.append(stats.num_samples if at < stats.prefill_s or not len(ends) else
+                      int(active[min(np.searchsorted(ends, at), len(active) - 1)]) if at <= ends[-1] else 0)
+    return ", ".join(map(str, counts))
 
 
 def step_costs(chunks) -> str:

@@ -55,6 +55,11 @@ def held_out_texts(limit: int | None = None) -> list[str]:
     return humaneval_split()[1][:limit]
 
 
+# Where a HumanEval completion ends for execution-based scoring: the function's body is over once the model starts
+# another top-level statement (the stop sequences of the Codex paper's evaluation).
+HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+
+
 def held_out_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
     return [tokenizer.encode(t) for t in held_out_texts(limit)]
 
