@@ -244,11 +244,11 @@ def pinned(state: DecodeState) -> DecodeState:
         return state
     batch = state.history.shape[0]
 
-    def heads(x):
-        return sharding.constrain(x, "batch", "heads", None, None)  # [B, Hkv, S, hd]
+    def heads(x):  # [B, Hkv, S, hd], or stacked [B, L, Hkv, S, hd]
+        return sharding.constrain(x, "batch", *([None] * (x.ndim - 4)), "heads", None, None)
 
     cache = state.cache
-    cache = cache.replace(k=tuple(map(heads, cache.k)), v=tuple(map(heads, cache.v)),
+    cache = cache.replace(k=jax.tree.map(heads, cache.k), v=jax.tree.map(heads, cache.v),
                           lengths=sharding.constrain(cache.lengths, "batch"))
     return sharding.constrain_rows(state.replace(cache=None), batch).replace(cache=cache)
 
@@ -372,8 +372,7 @@ def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: j
     path, out_tokens, num = verify_tree(keys, logits, tokens, parents, valid, probs, sampling,
                                         positions=cache.lengths + 1, max_depth=min(max_depth, n))
     # Written slots start at the written cache's lengths: the rows' lengths, or 0 for deferred K/V.
-    written = written.replace(k=tuple(gather_path(b, written.lengths, path) for b in written.k),
-                              v=tuple(gather_path(b, written.lengths, path) for b in written.v))
+    written = written.map_layers(lambda b: gather_path(b, written.lengths, path))
     features = None if layers is None else gather_nodes(_target_features(out, layers), path)
     # Output token j was drawn from the logits of path node j (the root first).
     scored = _logprobs_of(state, lambda: (gather_nodes(out.logits, path), gather_nodes(logits, path)), out_tokens,
@@ -460,17 +459,14 @@ def _pad_slots(verified: Verified, widest: int) -> Verified:
     def pad(b):
         return jnp.pad(b, ((0, 0), (0, 0), (0, widest - b.shape[2]), (0, 0)))
 
-    written = verified.cache
-    return verified.replace(cache=written.replace(k=tuple(map(pad, written.k)), v=tuple(map(pad, written.v))))
+    return verified.replace(cache=verified.cache.map_layers(pad))
 
 
 def _write_deferred(verified: Verified, cache: KVCache) -> Verified:
     """The Verified with its K/V slots written into `cache` at each row's length (outside any conditional, so in
     place; the widest width fits there, as every branch's forward needs)."""
     slots = verified.cache
-    return verified.replace(cache=cache.replace(
-        k=tuple(write_new(b, n, cache.lengths) for b, n in zip(cache.k, slots.k)),
-        v=tuple(write_new(b, n, cache.lengths) for b, n in zip(cache.v, slots.v))))
+    return verified.replace(cache=cache.map_layers(lambda b, n: write_new(b, n, cache.lengths), slots))
 
 
 def _width_choice(widths: tuple[int, ...], num_draft: jax.Array, state: DecodeState, draft: Draft,

@@ -124,24 +124,20 @@ def check_batch(mesh: Mesh | None, rules: ShardingRules | None, batch: int) -> N
 
 
 def param_spec(path: tuple, ndim: int, rules: ShardingRules) -> P:
-    """The PartitionSpec of a Llama parameter at `path` (its keys in the NNX state)."""
+    """The PartitionSpec of a Llama parameter at `path` (its keys in the NNX state). A scanned layer stack's
+    parameters carry a leading [L] axis, which stays whole on every device."""
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
     leaf = names[-1] if names[-1] not in ("value", "raw_value") else names[-2]
-    if leaf == "embed":
-        return P(rules.vocab, None)  # [V, D]
-    if leaf == "lm_head":
-        return P(None, rules.vocab)  # [D, V]
-    if leaf == "qkv":
-        return P(rules.heads, None)  # [(H + 2 Hkv) hd, D], interleaved per device (`set_blocks`)
-    if leaf == "qkv_bias":
-        return P(rules.heads)
-    if leaf == "o":
-        return P(None, rules.heads)  # [D, H hd]
-    if leaf == "gate_up":
-        return P(rules.mlp, None)  # [2F, D], interleaved per device
-    if leaf == "down":
-        return P(None, rules.mlp)  # [D, F]
-    return P(*([None] * ndim))  # norms and anything else: replicated
+    spec = {
+        "embed": (rules.vocab, None),  # [V, D]
+        "lm_head": (None, rules.vocab),  # [D, V]
+        "qkv": (rules.heads, None),  # [(H + 2 Hkv) hd, D], interleaved per device (`set_blocks`)
+        "qkv_bias": (rules.heads,),
+        "o": (None, rules.heads),  # [D, H hd]
+        "gate_up": (rules.mlp, None),  # [2F, D], interleaved per device
+        "down": (None, rules.mlp),  # [D, F]
+    }.get(leaf, ())  # norms and anything else: replicated
+    return P(*([None] * (ndim - len(spec))), *spec)
 
 
 def param_shardings(params: Any, mesh: Mesh, rules: ShardingRules) -> Any:

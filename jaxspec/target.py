@@ -136,7 +136,7 @@ class SelfDraftTarget(TargetModel, Protocol):
     """
 
     cfg: SelfDraftConfig
-    layers: Sequence[Any]  # an nnx.List of cfg.num_layers blocks, applied in order
+    layers: Sequence[Any]  # an nnx.List of cfg.num_layers blocks applied in order (or one stacked block: a scan)
 
 
 class HeadConfig(TargetConfig, Protocol):
@@ -316,9 +316,12 @@ def _structural_problems(module, params, method: str | None) -> str | None:
         return f"{label} needs the forward to take the keyword {missing}: {why}"
     if "layers" in needs:
         layers = getattr(module, "layers", _MISSING)
-        if layers is _MISSING or not hasattr(layers, "__len__"):
-            return f"{label} needs the attribute layers: the decoder blocks (an nnx.List), the draft keeps the first N"
-        if len(layers) != cfg.num_layers:
+        stacked = isinstance(layers, nnx.Module) and not hasattr(layers, "__len__") and all(
+            x.shape[:1] == (cfg.num_layers,) for x in jax.tree.leaves(nnx.state(layers)))  # a scanned stack
+        if layers is _MISSING or not (hasattr(layers, "__len__") or stacked):
+            return (f"{label} needs the attribute layers: the decoder blocks (an nnx.List, or one block whose "
+                    "parameters are stacked [num_layers, ...]), the draft keeps the first N")
+        if not stacked and len(layers) != cfg.num_layers:
             return f"{label} needs len(layers) == cfg.num_layers; got {len(layers)} and {cfg.num_layers}"
         if "layers" not in params:
             return f"{label} needs the parameters of the blocks under params['layers'] (the attribute `layers`)"
@@ -341,6 +344,11 @@ def _cache_problem(cache, label: str) -> str | None:
     if cache.lengths.shape != (_BATCH,) or cache.lengths.dtype != jnp.int32:
         return f"{label} needs new_cache's lengths i32[batch]; got {cache.lengths.dtype}{list(cache.lengths.shape)}"
     for name, buffers in (("k", cache.k), ("v", cache.v)):
+        if not isinstance(buffers, tuple):  # one stacked buffer [batch, L, H, max_len, hd]
+            if len(buffers.shape) != 5 or buffers.shape[0] != _BATCH or buffers.shape[3] != _SLOTS:
+                return (f"{label} needs new_cache(batch={_BATCH}, max_len={_SLOTS}) stacked buffers [batch, L, H, "
+                        f"max_len, hd]; cache.{name} has shape {tuple(buffers.shape)}")
+            continue
         for i, b in enumerate(buffers):
             if len(b.shape) != 4 or b.shape[0] != _BATCH or b.shape[2] != _SLOTS:
                 return (f"{label} needs new_cache(batch={_BATCH}, max_len={_SLOTS}) buffers [batch, H, max_len, hd]; "

@@ -4,8 +4,14 @@ One forward path serves prefill, single-token decode and verification: T new tok
 positions, their K/V written into a preallocated cache at per-row lengths, an optional mask among the new
 tokens (causal by default, a tree's ancestor mask for tree verification). It returns logits and hidden states.
 
-Layout choices that decide speed on XLA:CPU (see docs/cpu-performance.md): layers are separate
-modules (their weights separate arrays, the layer loop unrolled in the trace); q/k/v and gate/up are fused
+The layer stack runs one of two ways (`layer_loop`, chosen per platform by `default_layer_loop`): "scan", the
+layout JAX users know from MaxText and tpu-inference, where the layers' weights are stacked [L, ...] and one
+`lax.scan` runs them, so a forward compiles in time that does not grow with depth (the default off the CPU); or
+"unroll", separate per-layer arrays and a Python loop unrolled in the trace, the default on the CPU, where a scan's
+per-layer weight slices are materialised before each matmul and a decode step costs about 1.8x as much. The KV
+cache follows (`jaxspec.cache.KVCache`: stacked [B, L, ...] or per layer); `set_layer_loop` converts a model.
+
+Layout choices that decide speed on XLA:CPU (see docs/cpu-performance.md): q/k/v and gate/up are fused
 into one wider matmul each; weights are [out, in] and the residual stream is feature-major [D, B*T], so each
 projection is W @ xt (faster than x @ W at 8 rows); attention contracts the G query heads and
 T new tokens of a KV head as one row block; the LM head is also kept as [D, V] (a transposed copy when
@@ -20,6 +26,7 @@ wins), "xla" or "ffi"; a model gets $JAXSPEC_MATMUL (default auto) when built, `
 from __future__ import annotations
 
 import functools
+import os
 from typing import Literal
 
 import flax.struct
@@ -37,6 +44,8 @@ from .config import ModelConfig
 from .rope import apply_rope, rope_tables
 
 AttentionImpl = Literal["xla", "pallas"]
+LayerLoop = Literal["scan", "unroll"]
+LAYER_LOOP_ENV = "JAXSPEC_LAYER_LOOP"  # overrides `default_layer_loop`: "scan" or "unroll"
 _MASKED = -1e30  # finite, so a fully masked row (never produced here) would not turn into NaN
 
 
@@ -84,9 +93,12 @@ class Attention(nnx.Module):
         self.blocks = 1
 
     def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None, write_cache=True):
+                 cached_slots=None, write_cache=True, layer=None):
         """xt [D, B*T] feature-major; returns the attention block's output in the same layout and the caches with
-        the new K/V written, or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd]."""
+        the new K/V written, or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd].
+
+        With `layer` (i32[], inside a scanned layer stack) the caches are the stack's [B, L, Hkv, S, hd] buffers,
+        written and read at that layer."""
         cfg = self.cfg
         B, T = cos.shape[:2]
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -102,19 +114,23 @@ class Attention(nnx.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
         v = v.transpose(0, 2, 1, 3)
+        def this_layer(buffer):  # [B, Hkv, S, hd]: the layer's own buffer, or its slice of the stack's
+            return buffer if layer is None else jax.lax.dynamic_index_in_dim(buffer, layer, 1, keepdims=False)
+
         if not write_cache:
-            out = _attention_beside_cache(q, k_cache, v_cache, k, v, lengths, tree_mask, cfg)
+            out = _attention_beside_cache(q, this_layer(k_cache), this_layer(v_cache), k, v, lengths, tree_mask, cfg)
             return project(self.o[...], out.reshape(B * T, H * hd).T, self.matmul), k, v
-        k_cache, v_cache = write_new(k_cache, k, lengths), write_new(v_cache, v, lengths)
+        k_cache, v_cache = write_new(k_cache, k, lengths, layer), write_new(v_cache, v, lengths, layer)
+        k_layer, v_layer = this_layer(k_cache), this_layer(v_cache)
         # "pallas" is a hint: the interpreter (CPU) takes any head dim, the compiled kernel only those Triton takes,
         # so a model with another (8, 80, ...) uses XLA's attention rather than fail on a GPU, where it is the default.
         interpret = jax.default_backend() == "cpu"
         if attention_impl == "pallas" and (interpret or compiled_supports(hd)):
-            out = verify_attention(q, k_cache, v_cache, lengths, tree_mask, interpret=interpret)
+            out = verify_attention(q, k_layer, v_layer, lengths, tree_mask, interpret=interpret)
         elif visible is not None:  # the caller's own mask over the whole cache (the EAGLE head's trees)
-            out = _xla_attention(q, k_cache, v_cache, visible, cfg)
+            out = _xla_attention(q, k_layer, v_layer, visible, cfg)
         else:
-            out = _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg, cached_slots)
+            out = _bucketed_attention(q, k_layer, v_layer, lengths, tree_mask, cfg, cached_slots)
         return project(self.o[...], out.reshape(B * T, H * hd).T, self.matmul), k_cache, v_cache
 
 
@@ -282,9 +298,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs, matmul)
 
     def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None, write_cache=True):
+                 cached_slots=None, write_cache=True, layer=None):
         attn_out, k_cache, v_cache = self.attn(self.input_norm(xt), cos, sin, k_cache, v_cache, lengths,
-                                               visible, attention_impl, tree_mask, cached_slots, write_cache)
+                                               visible, attention_impl, tree_mask, cached_slots, write_cache, layer)
         xt = xt + attn_out
         xt = xt + self.mlp(self.post_attention_norm(xt))
         return xt, k_cache, v_cache
@@ -314,12 +330,16 @@ class Llama(nnx.Module):
     # A forward can leave the cache unwritten and return the new tokens' K/V instead (`write_cache=False`).
     defers_cache_writes = True
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmul: MatmulImpl | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmul: MatmulImpl | None = None,
+                 layer_loop: LayerLoop | None = None):
         self.cfg = cfg
         dt = cfg.jnp_dtype
         self.matmul = matmul or default_impl()
         self.embed = _dense_init(rngs, (cfg.vocab_size, cfg.hidden_size), dt, scale=1.0)  # [V, D]
+        # Static: "unroll" holds a list of layers, "scan" one DecoderLayer whose parameters are stacked [L, ...].
+        self.layer_loop: LayerLoop = "unroll"
         self.layers = nnx.List([DecoderLayer(cfg, rngs, self.matmul) for _ in range(cfg.num_layers)])
+        set_layer_loop(self, layer_loop or default_layer_loop())
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         # [D, V] even when tied: XLA:CPU runs x @ W faster than x @ E.T for this shape (docs/cpu-performance.md).
         self.lm_head = nnx.Param(self.embed[...].T if cfg.tie_word_embeddings
@@ -329,7 +349,8 @@ class Llama(nnx.Module):
         """An empty KV cache of `max_len` slots per row for `batch` rows, in the model's dtype."""
         cfg = self.cfg
         return KVCache.create(num_layers=cfg.num_layers, batch=batch, num_kv_heads=cfg.num_kv_heads,
-                              max_len=max_len, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype)
+                              max_len=max_len, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype,
+                              stacked=self.layer_loop == "scan")
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """f32[..., V] from final normed hidden states [..., D]."""
@@ -377,26 +398,94 @@ class Llama(nnx.Module):
         # The residual stream is feature-major, [D, B*T]: every projection is then W [out, in] @ xt, the
         # operand order XLA:CPU runs fastest when a few rows share the weights (docs/cpu-performance.md).
         xt = x.reshape(B * T, -1).T
-        ks, vs, saved = list(cache.k), list(cache.v), []
+        args = (cos, sin, cache.lengths, attention_impl, tree_mask, cached_slots, write_cache)
+        if self.layer_loop == "scan":
+            xt, ks, vs, outputs = self._scan_layers(xt, cache, args, return_layers)
+        else:
+            xt, ks, vs, outputs = self._unrolled_layers(xt, cache, args, return_layers)
 
         def rows(xt):
             return xt.T.reshape(B, T, -1)
 
-        for i, layer in enumerate(self.layers):
-            # visible=None: the target's mask is built per cache bucket (`_bucketed_attention`).
-            xt, ks[i], vs[i] = layer(xt, cos, sin, ks[i], vs[i], cache.lengths, None, attention_impl, tree_mask,
-                                     cached_slots, write_cache)
-            if i in return_layers:
-                saved.append(rows(xt))
         hidden = rows(self.norm(xt))
         logits = None
         if compute_logits:
             picked = hidden if logits_at is None else jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
             logits = self.logits(picked)
-        new_cache = cache.replace(k=tuple(ks), v=tuple(vs))
-        if not write_cache:  # ks, vs hold the new tokens' K/V [B, Hkv, T, hd] from slot 0
+        new_cache = cache.replace(k=ks, v=vs)
+        if not write_cache:  # ks, vs hold the new tokens' K/V [B, (L,) Hkv, T, hd] from slot 0
             new_cache = new_cache.replace(lengths=jnp.zeros_like(cache.lengths))
-        return ModelOutput(logits=logits, hidden=hidden, layer_hidden=tuple(saved)), new_cache
+        return ModelOutput(logits=logits, hidden=hidden, layer_hidden=tuple(map(rows, outputs))), new_cache
+
+    def _unrolled_layers(self, xt, cache: KVCache, args: tuple, return_layers: tuple[int, ...]):
+        """The layers one after another in the trace: (xt, per-layer K and V buffers, requested layers' xt)."""
+        cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache = args
+        ks, vs, saved = list(cache.k), list(cache.v), []
+        for i, layer in enumerate(self.layers):
+            # visible=None: the target's mask is built per cache bucket (`_bucketed_attention`).
+            xt, ks[i], vs[i] = layer(xt, cos, sin, ks[i], vs[i], lengths, None, attention_impl, tree_mask,
+                                     cached_slots, write_cache)
+            if i in return_layers:
+                saved.append(xt)
+        return xt, tuple(ks), tuple(vs), saved
+
+    def _scan_layers(self, xt, cache: KVCache, args: tuple, return_layers: tuple[int, ...]):
+        """The stacked layers as one `lax.scan`: (xt, stacked K and V [B, L, Hkv, S or T, hd], requested layers'
+        xt). Writing, each layer updates its slice of the carried cache in place; deferring (write_cache=False)
+        it only reads the cache and the new tokens' K/V leave the scan as its stacked output."""
+        cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache = args
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            xt, k_cache, v_cache = carry
+            params, i = xs
+            layer = nnx.merge(graphdef, params)
+            xt, k_out, v_out = layer(xt, cos, sin, k_cache, v_cache, lengths, None, attention_impl, tree_mask,
+                                     cached_slots, write_cache, layer=i)
+            if write_cache:
+                return (xt, k_out, v_out), ((), xt if return_layers else None)
+            return (xt, k_cache, v_cache), ((k_out, v_out), xt if return_layers else None)  # new K/V [B, Hkv, T, hd]
+
+        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (xt, ks, vs), (new, outputs) = jax.lax.scan(body, (xt, cache.k, cache.v), (stacked, layers))
+        if not write_cache:
+            ks, vs = (x.swapaxes(0, 1) for x in new)  # [L, B, Hkv, T, hd] -> [B, L, Hkv, T, hd]
+        saved = [outputs[i] for i in range(self.cfg.num_layers) if i in return_layers]
+        return xt, ks, vs, saved
+
+
+def default_layer_loop() -> LayerLoop:
+    """$JAXSPEC_LAYER_LOOP ("scan" or "unroll") where set, else "unroll" on a CPU backend and "scan" elsewhere."""
+    loop = os.environ.get(LAYER_LOOP_ENV, "")
+    if loop:
+        if loop not in ("scan", "unroll"):
+            raise ValueError(f"${LAYER_LOOP_ENV}={loop!r} must be 'scan' or 'unroll'")
+        return loop
+    return "unroll" if jax.default_backend() == "cpu" else "scan"
+
+
+def set_layer_loop(model: "Llama", loop: LayerLoop) -> None:
+    """Run `model`'s layers as `loop`: "scan" stacks every layer parameter into one [L, ...] array (a single
+    DecoderLayer holds them), "unroll" splits them back into one layer module each. The outputs are the same.
+
+    Static module state, like `set_matmul`: split the model again (`nnx.split`) and jit over the new graphdef. A
+    KV cache from `new_cache` before the change has the other layout.
+    """
+    if loop not in ("scan", "unroll"):
+        raise ValueError(f"layer_loop={loop!r} must be 'scan' or 'unroll'")
+    if loop == model.layer_loop:
+        return
+    if loop == "scan":
+        graphdef, states = None, []
+        for layer in model.layers:
+            graphdef, state = nnx.split(layer)
+            states.append(state)
+        model.layers = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    else:
+        graphdef, stacked = nnx.split(model.layers)
+        model.layers = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], stacked))
+                                 for i in range(model.cfg.num_layers)])
+    model.layer_loop = loop
 
 
 def set_matmul(module: nnx.Module, impl: MatmulImpl) -> None:
@@ -424,6 +513,11 @@ def _interleave(w: jax.Array, parts: tuple[int, ...], blocks: int, inverse: bool
     return jnp.concatenate([c.reshape(blocks, -1, *rest) for c in chunks], axis=1).reshape(w.shape)
 
 
+def _each_layer(fn, w: jax.Array, base_ndim: int) -> jax.Array:
+    """fn(w) for one layer's parameter, vectorised over a scanned stack's leading [L] axis where w has one."""
+    return jax.vmap(fn)(w) if w.ndim > base_ndim else fn(w)
+
+
 def set_blocks(module: nnx.Module, heads: int, mlp: int) -> None:
     """Store every fused projection under `module` (a Llama, a layer) as per-device blocks, permuting the weights
     in place: qkv as `heads` blocks of [q; k; v] (whole heads each), gate_up as `mlp` blocks of [gate; up].
@@ -442,13 +536,19 @@ def set_blocks(module: nnx.Module, heads: int, mlp: int) -> None:
             for name in ("qkv", "qkv_bias"):
                 param = getattr(sub, name)
                 if param is not None:
-                    param[...] = _interleave(_interleave(param[...], parts, sub.blocks, inverse=True), parts, heads)
+                    def relaid(w, parts=parts, old=sub.blocks):
+                        return _interleave(_interleave(w, parts, old, inverse=True), parts, heads)
+
+                    param[...] = _each_layer(relaid, param[...], base_ndim=2 if name == "qkv" else 1)
             sub.blocks = heads
         elif isinstance(sub, MLP):
-            units = sub.down.shape[1]
+            units = sub.down.shape[-1]
             if units % mlp:
                 raise ValueError(f"mlp={mlp} blocks must divide intermediate_size={units}")
             parts = (units, units)
-            sub.gate_up[...] = _interleave(_interleave(sub.gate_up[...], parts, sub.blocks, inverse=True), parts, mlp)
+            def relaid_mlp(w, parts=parts, old=sub.blocks):
+                return _interleave(_interleave(w, parts, old, inverse=True), parts, mlp)
+
+            sub.gate_up[...] = _each_layer(relaid_mlp, sub.gate_up[...], base_ndim=2)
             sub.blocks = mlp
 

@@ -27,7 +27,7 @@ from jaxspec.target import TargetModel, check_target
 
 from .config import ModelConfig, RopeConfig
 from .files import FileError, SafetensorsFile, check_finite, describe, field, json_object, read_json
-from .llama import Llama, set_blocks, set_matmul
+from .llama import LayerLoop, Llama, default_layer_loop, set_blocks, set_layer_loop, set_matmul
 from .random_shapes import RANDOM_SHAPES, is_random, random_config, random_module
 from .tokenizer import Tokenizer
 
@@ -112,7 +112,7 @@ class LanguageModel:
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = "float32", mesh: Mesh | None = None,
-               rules: ShardingRules | None = None) -> LanguageModel:
+               rules: ShardingRules | None = None, layer_loop: LayerLoop | None = None) -> LanguageModel:
     """Load a named model (see NAMED_MODELS), a `.gguf` file, a Hugging Face directory, or a random-weight model.
 
     `"random:<name>"` (`jaxspec.models.random_shapes.RANDOM_SHAPES`: `random:smollm2-135m`, `random:llama-3.2-1b`,
@@ -133,14 +133,20 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     tensor and the first bad index). Names, shapes and extents are all checked from the headers before any tensor
     is read, so a corrupt size never turns into a huge allocation; the NaN check is one `np.isfinite` pass per
     tensor as it is read (1-2% of a load of the default model).
+
+    `layer_loop` ("scan" or "unroll", `jaxspec.models.llama.set_layer_loop`) chooses how the decoder layers run;
+    None takes the platform's default (`default_layer_loop`: unrolled on a CPU, a scan elsewhere).
     """
     if mesh is None and rules is not None:
         raise ValueError("rules= needs a mesh= to place the parameters on")
+    layer_loop = default_layer_loop() if layer_loop is None else layer_loop
+    if layer_loop not in ("scan", "unroll"):
+        raise ValueError(f"layer_loop={layer_loop!r} must be None, 'scan' or 'unroll'")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
     key = str(name_or_path)
     if is_random(key):
-        lm = _random_model(key, dtype)
+        lm = _random_model(key, dtype, layer_loop)
         return lm if mesh is None else lm.on_mesh(mesh, rules)
     if key in NAMED_MODELS:
         path = named_model_path(key)
@@ -156,11 +162,12 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     else:
         raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a Hugging Face directory")
     module = build_module(config, weights)
+    set_layer_loop(module, layer_loop)
     lm = LanguageModel.from_module(module, tokenizer, name=key)
     return lm if mesh is None else lm.on_mesh(mesh, rules)
 
 
-def _random_model(name: str, dtype: str) -> LanguageModel:
+def _random_model(name: str, dtype: str, layer_loop: LayerLoop) -> LanguageModel:
     """`random:<name>` (see `load_model`): random weights in the shapes of a real checkpoint."""
     config = random_config(name, dtype)
     tokenizer = None
@@ -169,7 +176,9 @@ def _random_model(name: str, dtype: str) -> LanguageModel:
             tokenizer = Tokenizer.from_gguf(named_model_path(DEFAULT_MODEL))
         except ValueError:  # the default model's package is not installed: token ids only
             tokenizer = None
-    return LanguageModel.from_module(random_module(config), tokenizer, name=name)
+    module = random_module(config)
+    set_layer_loop(module, layer_loop)
+    return LanguageModel.from_module(module, tokenizer, name=name)
 
 
 def named_model_path(name: str) -> Path:
@@ -509,7 +518,7 @@ def check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]], sourc
 
 def build_module(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
     """Fill an NNX Llama from Hugging Face-named numpy weights ([out, in] matrices)."""
-    module = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    module = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), layer_loop="unroll"))  # filled layer by layer
     dt = config.jnp_dtype
     used: set[str] = set()
 

@@ -84,7 +84,7 @@ def random_module(config: ModelConfig, seed: int = 0) -> Llama:
     Each weight's seed is a hash of `seed` and the weight's path, so a tensor does not depend on the order the
     others are drawn in; a tied LM head is the embedding's transpose, as `build_module` lays it out.
     """
-    module = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    module = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), layer_loop="unroll"))  # drawn layer by layer
     dtype = config.jnp_dtype
     for path, param in nnx.iter_graph(module):
         if not isinstance(param, nnx.Param):

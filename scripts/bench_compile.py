@@ -12,6 +12,10 @@ seconds until /health answers, and until a first completion returns.
     python scripts/bench_compile.py                                   # none,ngram,sam,eagle3 at 1 and 8 rows
     python scripts/bench_compile.py --methods none,sam --rows 1 --server
     python scripts/bench_compile.py --methods group_sam --rows 8      # a rollout: 8 rows = 2 prompts x 4 samples
+    python scripts/bench_compile.py --methods none,sam --layer-loops unroll,scan   # both layer loops side by side
+
+`--layer-loops` runs each measurement with the decoder layers unrolled and/or as a `lax.scan`
+(`jaxspec.models.llama.set_layer_loop`); by default the platform's own choice. "vs plain" compares within a loop.
 
 Prompts: the held-out HumanEval prompts (benchkit.workloads), greedy, `--new-tokens` each.
 """
@@ -32,6 +36,7 @@ from pathlib import Path
 
 from benchkit import cli, machine, page, tables
 from benchkit.serve.servers import free_port
+from jaxspec.models.llama import LAYER_LOOP_ENV
 
 SCRIPTS = Path(__file__).resolve().parent
 _RESULT = "bench_compile result: "
@@ -49,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=cli.ints, default="1,8", help="batch sizes (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per row (default: %(default)s)")
     p.add_argument("--caches", type=cli.names, default="cold,warm", help="cold, warm or both (default: %(default)s)")
+    p.add_argument("--layer-loops", type=cli.names, default="",
+                   help="unroll, scan or both, one measurement each (default: the platform's layer loop)")
     p.add_argument("--server", action="store_true", help="also time `python scripts/serve.py` to /health")
     p.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--child", nargs=2, metavar=("METHOD", "ROWS"), help=argparse.SUPPRESS)
@@ -58,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--new-tokens and --rows must be >= 1")
     if not set(args.caches) <= {"cold", "warm"} or not args.caches:
         p.error(f"--caches={','.join(args.caches)} must name cold, warm or both")
+    if set(args.layer_loops) - {"unroll", "scan"}:
+        p.error(f"--layer-loops={','.join(args.layer_loops)} must name unroll, scan or both")
     return args
 
 
@@ -90,6 +99,7 @@ def child(method: str, rows: int, new_tokens: int) -> dict:
     t0 = time.perf_counter()
     lm = jaxspec.load_model()
     load_s = time.perf_counter() - t0
+    layer_loop = lm.module.layer_loop
     greedy = jaxspec.SamplingParams(temperature=0.0)
     if method == "group_sam":
         prompts = workloads.held_out_prompts(lm.tokenizer, max(1, rows // 4))
@@ -113,7 +123,8 @@ def child(method: str, rows: int, new_tokens: int) -> dict:
     call()
     second_s = time.perf_counter() - t0
     compiled = [(p, s) for stage, p, s in first if stage == "compile" and s >= _SMALL_PROGRAM_S]
-    return {"method": method, "rows": rows, "load_s": load_s, "first_s": first_s, "second_s": second_s,
+    return {"method": method, "rows": rows, "layer_loop": layer_loop, "load_s": load_s, "first_s": first_s,
+            "second_s": second_s,
             "programs": sorted({p for p, _ in compiled}), "num_programs": len(compiled),
             **{f"{stage}_s": sum(s for st, _, s in first if st == stage) for stage in _STAGES},
             "recompiled_on_second_call": len([r for r in records[len(first):] if r[0] == "compile"])}
@@ -129,11 +140,15 @@ def _hlo_sizes(dump: Path) -> dict[str, int]:
     return sizes
 
 
-def run_child(method: str, rows: int, new_tokens: int, cache_dir: Path, cost_dir: Path) -> dict:
-    """`child` in a fresh process over the compilation cache in `cache_dir` and the cost table in `cost_dir`."""
+def run_child(method: str, rows: int, new_tokens: int, cache_dir: Path, cost_dir: Path,
+              layer_loop: str | None = None) -> dict:
+    """`child` in a fresh process over the compilation cache in `cache_dir` and the cost table in `cost_dir`, its
+    layers run as `layer_loop` (None: the platform's default)."""
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ, JAXSPEC_COMPILATION_CACHE=str(cache_dir), JAXSPEC_VERIFY_COST=str(cost_dir),
                    XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip())
+        if layer_loop:
+            env[LAYER_LOOP_ENV] = layer_loop
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", method, str(rows),
                                "--new-tokens", str(new_tokens)], env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
@@ -190,16 +205,16 @@ def server_start(home: Path, port: int, timeout: float) -> dict:
 # ------------------------------------------------------------------------------------------------ the report
 
 def report(results: list[dict], servers: list[dict]) -> str:
-    plain = {(r["cache"], r["rows"]): r["first_s"] for r in results if r["method"] == "none"}
+    plain = {(r["cache"], r["rows"], r["layer_loop"]): r["first_s"] for r in results if r["method"] == "none"}
     rows = []
     for r in results:
-        base = plain.get((r["cache"], r["rows"]))
-        rows.append((r["method"], r["rows"], r["cache"], f"{r['first_s']:.1f}",
+        base = plain.get((r["cache"], r["rows"], r["layer_loop"]))
+        rows.append((r["method"], r["rows"], r["layer_loop"], r["cache"], f"{r['first_s']:.1f}",
                      f"{r['first_s'] / base:.2f}x" if base else "-", f"{r['second_s']:.2f}", r["num_programs"],
                      f"{r['trace_s']:.1f} / {r['lower_s']:.1f} / {r['compile_s']:.1f}", r["largest_hlo"] or "-",
                      f"{r['load_s']:.1f}"))
-    text = [tables.markdown(("method", "rows", "caches", "first call s", "vs plain", "second call s", "programs",
-                             "trace / lower / compile s", "largest HLO (instructions)", "load s"), rows)]
+    text = [tables.markdown(("method", "rows", "layers", "caches", "first call s", "vs plain", "second call s",
+                             "programs", "trace / lower / compile s", "largest HLO (instructions)", "load s"), rows)]
     if servers:
         text.append("\n`python scripts/serve.py` (default settings):\n")
         text.append(tables.markdown(("caches", "/health s", "first completion s"),
@@ -223,14 +238,16 @@ def main(argv=None) -> int:
             for rows in args.rows:
                 if method == "group_sam" and rows < 2:
                     continue  # a rollout drafts from a group of samples
-                cache_dir, cost_dir = Path(work) / f"xla-{method}-{rows}", Path(work) / f"cost-{method}-{rows}"
-                for state in ("cold", "warm"):  # warm reads what cold wrote
-                    r = run_child(method, rows, args.new_tokens, cache_dir, cost_dir)
-                    if state in args.caches:
-                        results.append(dict(r, cache=state))
-                        print(json.dumps(results[-1]), flush=True)
-                    if "warm" not in args.caches:
-                        break
+                for loop in args.layer_loops or [None]:
+                    name = f"{method}-{rows}-{loop}"
+                    cache_dir, cost_dir = Path(work) / f"xla-{name}", Path(work) / f"cost-{name}"
+                    for state in ("cold", "warm"):  # warm reads what cold wrote
+                        r = run_child(method, rows, args.new_tokens, cache_dir, cost_dir, loop)
+                        if state in args.caches:
+                            results.append(dict(r, cache=state))
+                            print(json.dumps(results[-1]), flush=True)
+                        if "warm" not in args.caches:
+                            break
         if args.server:
             home = Path(work) / "server-home"
             for state in ("cold", "warm"):

@@ -180,6 +180,31 @@ ENGINE = COMMON + textwrap.dedent("""
     print("engine OK")
 """)
 
+SCANNED = COMMON + textwrap.dedent("""
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=16,
+                      num_kv_heads=8, head_dim=4, tie_word_embeddings=False, max_position_embeddings=256)
+    lm = jaxspec.LanguageModel.from_module(Llama(cfg, rngs=nnx.Rngs(0), layer_loop="unroll"), name="tiny")
+    module = lm.module
+    jaxspec.models.llama.set_layer_loop(module, "scan")
+    scanned = jaxspec.LanguageModel.from_module(module, name="tiny-scan")
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 96, 10).tolist()
+    prompts = [base * 3, rng.integers(0, 96, 17).tolist(), base[:4] * 5, base * 2]
+    slm = scanned.on_mesh(make_mesh(2, 4))
+    for spec in (None, SpecConfig(method="sam")):
+        want = jaxspec.generate(lm, prompts, max_new_tokens=20, ignore_eos=True, spec=spec)
+        got = jaxspec.generate(slm, prompts, max_new_tokens=20, ignore_eos=True, spec=spec)
+        assert got.token_ids == want.token_ids, spec
+    assert got.stats.accepted > 0, got.stats
+    # The stacked parameters keep their layer axis whole; the cache [B, L, Hkv, S, hd] splits rows and KV heads.
+    qkv = slm.params["layers"]["attn"]["qkv"][...]
+    assert tuple(qkv.sharding.spec) == (None, "model", None), qkv.sharding
+    assert qkv.addressable_shards[0].data.shape == (3, (16 + 2 * 8) * 4 // 4, 64)
+    k = state_on_mesh(slm, prompts).cache.k
+    assert k.addressable_shards[0].data.shape == (2, 3, 2, k.shape[3], 4), k.sharding
+    print("scan OK")
+""")
+
 
 def _run(script: str, timeout: int = 900) -> str:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -251,3 +276,9 @@ def test_server_on_a_mesh(tmp_path):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_scanned_layers_on_a_mesh():
+    """A scanned layer stack split over a (2, 4) mesh: generate's tokens, the stacked parameters' and cache's
+    shardings."""
+    assert "scan OK" in _run(SCANNED)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..models.llama import Llama, set_layer_loop
 from ..models.loading import LanguageModel
 from ..sampling import processed_probs, sample
 from ..target import check_target
@@ -81,7 +82,8 @@ class DraftModelProposer(ChainProposer):
 
 
 def self_draft_model(lm: LanguageModel, num_layers: int) -> LanguageModel:
-    """The target's first `num_layers` decoder layers with its final norm and LM head, sharing its arrays.
+    """The target's first `num_layers` decoder layers with its final norm and LM head, sharing its arrays (a
+    scanned Llama's stacked layers are sliced, so those are copies).
 
     Any target following `jaxspec.target.SelfDraftTarget` works (the draft is the target's own class with fewer
     layers); ValueError naming what a target lacks otherwise.
@@ -91,10 +93,22 @@ def self_draft_model(lm: LanguageModel, num_layers: int) -> LanguageModel:
     if not 1 <= num_layers <= cfg.num_layers:
         raise ValueError(f"self_draft_layers={num_layers!r} must be in [1, {cfg.num_layers}] for {lm.name!r}")
     small_cfg = dataclasses.replace(cfg, num_layers=num_layers)
-    target_class = type(lm.module)
-    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: target_class(small_cfg, rngs=nnx.Rngs(0))))
-    params = nnx.State({name: sub for name, sub in lm.params.items() if name != "layers"}
-                       | {"layers": nnx.State({i: lm.params["layers"][i] for i in range(num_layers)})})
+    target = lm.module
+    target_class = type(target)
+    # A scanned Llama keeps its layers stacked [L, ...]: the draft's are the first num_layers of each (copies, a
+    # slice of an array is not the array); unrolled layers are shared as they are.
+    scanned = isinstance(target, Llama) and target.layer_loop == "scan"
+
+    def build():
+        model = target_class(small_cfg, rngs=nnx.Rngs(0))
+        if isinstance(model, Llama):
+            set_layer_loop(model, target.layer_loop)
+        return model
+
+    graphdef, shapes = nnx.split(nnx.eval_shape(build))
+    layers = (jax.tree.map(lambda x: x[:num_layers], lm.params["layers"]) if scanned
+              else nnx.State({i: lm.params["layers"][i] for i in range(num_layers)}))
+    params = nnx.State({name: sub for name, sub in lm.params.items() if name != "layers"} | {"layers": layers})
     # Every array but the dropped layers' is shared, so the smaller instance must need exactly those arrays.
     want = {path: tuple(v.shape) for path, v in nnx.to_flat_state(shapes)}
     have = {path: tuple(v.shape) for path, v in nnx.to_flat_state(params)}
