@@ -155,12 +155,11 @@ class EagleHead(nnx.Module):
         write_at = cache.lengths if write_at is None else write_at
         if visible is None:
             visible = visibility_mask(write_at, T, cache.max_len)
-        x = jnp.concatenate([embeds, features], axis=-1).astype(jnp.float32).reshape(B * T, 2 * D)
-        xt = self.fc[...] @ x.T + self.fc_bias[...][:, None]  # [D, B*T] feature-major, as in the target
+        x = jnp.concatenate([embeds, features], axis=-1).astype(jnp.float32)  # [B, T, 2D]
+        x = jnp.einsum("bti,oi->bto", x, self.fc[...]) + self.fc_bias[...]  # [B, T, D]
         cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
-        xt, k, v = self.layer(xt, cos, sin, cache.k[0], cache.v[0], write_at, visible, "xla", None)
-        out = self.norm(xt).T.reshape(B, T, D)
-        return out, cache.replace(k=(k,), v=(v,))
+        x, k, v = self.layer(x, cos, sin, cache.k[0], cache.v[0], write_at, visible, "xla", None)
+        return self.norm(x), cache.replace(k=(k,), v=(v,))
 
 
 def eagle3_layers(num_layers: int) -> tuple[int, ...]:

@@ -8,19 +8,19 @@ The layer stack runs one of two ways (`layer_loop`, chosen per platform by `defa
 layout JAX users know from MaxText and tpu-inference, where the layers' weights are stacked [L, ...] and one
 `lax.scan` runs them, so a forward compiles in time that does not grow with depth (the default off the CPU); or
 "unroll", separate per-layer arrays and a Python loop unrolled in the trace, the default on the CPU, where a scan's
-per-layer weight slices are materialised before each matmul and a decode step costs about 1.8x as much. The KV
+per-layer weight slices are materialised before each matmul and a one-row decode step costs 1.5-1.9x as much. The KV
 cache follows (`jaxspec.cache.KVCache`: stacked [B, L, ...] or per layer); `set_layer_loop` converts a model.
 
-Layout choices that decide speed on XLA:CPU (see docs/cpu-performance.md): q/k/v and gate/up are fused
-into one wider matmul each; weights are [out, in] and the residual stream is feature-major [D, B*T], so each
-projection is W @ xt (faster than x @ W at 8 rows); attention contracts the G query heads and
-T new tokens of a KV head as one row block; the LM head is also kept as [D, V] (a transposed copy when
-embeddings are tied) because a single row runs fastest as h @ W.
+Activations are [batch, tokens, features] and weights [out, in] (Hugging Face's order); q/k/v and gate/up are
+fused into one wider matmul each; attention contracts the G query heads and T new tokens of a KV head as one row
+block; the LM head is also kept as [D, V] (a transposed copy when embeddings are tied) because a single row runs
+fastest as h @ W (docs/cpu-performance.md).
 
-On the CPU the projections (and the tied LM head) run through jaxspec.kernels.cpu, a custom call that reads
-the weights once for any number of rows up to a verify step's, where XLA's GEMM costs several one-row products
-(docs/cpu-performance.md). Each module's `matmul` picks the path: "auto" (the kernel where it is built and
-wins), "xla" or "ffi"; a model gets $JAXSPEC_MATMUL (default auto) when built, `set_matmul` changes it.
+Every projection goes through `jaxspec.kernels.cpu.linear`, the one boundary that knows about the CPU: there, for
+the few rows of a decode or verify step, the product runs as a custom call over feature-major activations, which
+reads the weights once for any number of rows up to a verify step's, where XLA's GEMM costs several one-row
+products. Everywhere else it is XLA's dot. Each module's `matmul` picks the path: "auto" (the kernel where it is
+built and wins), "xla" or "ffi"; a model gets $JAXSPEC_MATMUL (default auto) when built, `set_matmul` changes it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.cache import KVCache, write_new
-from jaxspec.kernels.cpu import MatmulImpl, default_impl, project, uses_kernel
+from jaxspec.kernels.cpu import MatmulImpl, default_impl, linear, uses_kernel
 from jaxspec.kernels.verify_attention import compiled_supports, verify_attention
 from jaxspec.sharding import active, constrain, mesh_size
 
@@ -63,17 +63,17 @@ def _dense_init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square layer norm with a learned scale, over a feature-major [D, N] stream."""
+    """Root-mean-square layer norm with a learned scale, over the last (feature) axis."""
 
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, xt: jax.Array) -> jax.Array:
-        """Normalise xt [D, N] (feature-major, see `Llama`) over its features."""
-        x32 = xt.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=0, keepdims=True) + self.eps)
-        return (x32 * self.weight[...].astype(jnp.float32)[:, None]).astype(xt.dtype)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalise x [..., D] over its features."""
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -92,25 +92,24 @@ class Attention(nnx.Module):
         # heads. 1 (one [q; k; v]) without a mesh.
         self.blocks = 1
 
-    def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
                  cached_slots=None, write_cache=True, layer=None):
-        """xt [D, B*T] feature-major; returns the attention block's output in the same layout and the caches with
-        the new K/V written, or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd].
+        """x [B, T, D]; returns the attention block's output [B, T, D] and the caches with the new K/V written,
+        or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd].
 
         With `layer` (i32[], inside a scanned layer stack) the caches are the stack's [B, L, Hkv, S, hd] buffers,
         written and read at that layer."""
         cfg = self.cfg
         B, T = cos.shape[:2]
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = project(self.qkv[...], xt, self.matmul)  # [(H + 2 Hkv) hd, B*T]
+        qkv = linear(x, self.qkv[...], self.matmul)  # [B, T, (H + 2 Hkv) hd]
         if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias[...][:, None]
-        # Heads leave the feature-major layout here: attention works per row on [B, T, heads, hd].
+            qkv = qkv + self.qkv_bias[...]
         n = self.blocks
-        qkv = qkv.reshape(n, (H + 2 * Hkv) // n, hd, B, T)  # block i: its H/n query, Hkv/n key, Hkv/n value heads
-        q, k, v = jnp.split(qkv, [H // n, (H + Hkv) // n], axis=1)
-        q, k, v = (x.reshape(-1, hd, B, T).transpose(2, 3, 0, 1) for x in (q, k, v))  # [B, T, heads, hd]
-        q, k, v = (constrain(x, "batch", None, "heads", None) for x in (q, k, v))
+        qkv = qkv.reshape(B, T, n, (H + 2 * Hkv) // n, hd)  # block i: its H/n query, Hkv/n key, Hkv/n value heads
+        q, k, v = jnp.split(qkv, [H // n, (H + Hkv) // n], axis=3)
+        q, k, v = (a.reshape(B, T, -1, hd) for a in (q, k, v))  # [B, T, heads, hd]
+        q, k, v = (constrain(a, "batch", None, "heads", None) for a in (q, k, v))
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
         v = v.transpose(0, 2, 1, 3)
@@ -119,7 +118,7 @@ class Attention(nnx.Module):
 
         if not write_cache:
             out = _attention_beside_cache(q, this_layer(k_cache), this_layer(v_cache), k, v, lengths, tree_mask, cfg)
-            return project(self.o[...], out.reshape(B * T, H * hd).T, self.matmul), k, v
+            return linear(out.reshape(B, T, H * hd), self.o[...], self.matmul), k, v
         k_cache, v_cache = write_new(k_cache, k, lengths, layer), write_new(v_cache, v, lengths, layer)
         k_layer, v_layer = this_layer(k_cache), this_layer(v_cache)
         # "pallas" is a hint: the interpreter (CPU) takes any head dim, the compiled kernel only those Triton takes,
@@ -131,7 +130,7 @@ class Attention(nnx.Module):
             out = _xla_attention(q, k_layer, v_layer, visible, cfg)
         else:
             out = _bucketed_attention(q, k_layer, v_layer, lengths, tree_mask, cfg, cached_slots)
-        return project(self.o[...], out.reshape(B * T, H * hd).T, self.matmul), k_cache, v_cache
+        return linear(out.reshape(B, T, H * hd), self.o[...], self.matmul), k_cache, v_cache
 
 
 def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
@@ -280,12 +279,12 @@ class MLP(nnx.Module):
         self.matmul = matmul or default_impl()
         self.blocks = 1  # static: gate_up rows stored as `blocks` [gate; up] blocks of F/blocks units (`set_blocks`)
 
-    def __call__(self, xt):
-        """xt [D, N] -> [D, N], feature-major."""
-        h = project(self.gate_up[...], xt, self.matmul)  # [2F, N]
-        h = h.reshape(self.blocks, 2, -1, h.shape[-1])  # block i: [gate; up] of its F/blocks hidden units
-        hidden = (jax.nn.silu(h[:, 0]) * h[:, 1]).reshape(-1, h.shape[-1])  # [F, N] in the canonical unit order
-        return project(self.down[...], constrain(hidden, "mlp", "batch"), self.matmul)
+    def __call__(self, x):
+        """x [B, T, D] -> [B, T, D]."""
+        h = linear(x, self.gate_up[...], self.matmul)  # [B, T, 2F]
+        h = h.reshape(*x.shape[:-1], self.blocks, 2, -1)  # block i: [gate; up] of its F/blocks hidden units
+        hidden = (jax.nn.silu(h[..., 0, :]) * h[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B, T, F], canonical order
+        return linear(constrain(hidden, "batch", None, "mlp"), self.down[...], self.matmul)
 
 
 class DecoderLayer(nnx.Module):
@@ -297,13 +296,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
         self.mlp = MLP(cfg, rngs, matmul)
 
-    def __call__(self, xt, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
                  cached_slots=None, write_cache=True, layer=None):
-        attn_out, k_cache, v_cache = self.attn(self.input_norm(xt), cos, sin, k_cache, v_cache, lengths,
+        """x [B, T, D] -> the block's output [B, T, D] and the caches (as `Attention` returns them)."""
+        attn_out, k_cache, v_cache = self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, lengths,
                                                visible, attention_impl, tree_mask, cached_slots, write_cache, layer)
-        xt = xt + attn_out
-        xt = xt + self.mlp(self.post_attention_norm(xt))
-        return xt, k_cache, v_cache
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_norm(x))
+        return x, k_cache, v_cache
 
 
 def visibility_mask(lengths: jax.Array, num_new: int, max_len: int,
@@ -357,7 +357,7 @@ class Llama(nnx.Module):
         rows = hidden.reshape(-1, hidden.shape[-1])
         if self.cfg.tie_word_embeddings and uses_kernel(self.matmul, self.embed[...], rows.T):
             # The kernel reads the [V, D] table row-major, as its projections read their weights.
-            out = project(self.embed[...], rows.T, self.matmul).T
+            out = linear(rows, self.embed[...], self.matmul)
         elif rows.shape[0] > 1 and self.cfg.tie_word_embeddings:
             # Several rows: E @ h^T over the [V, D] table runs faster on XLA:CPU than h @ W (docs/cpu-performance.md).
             out = jnp.dot(self.embed[...], rows.T, preferred_element_type=jnp.float32).T
@@ -392,22 +392,14 @@ class Llama(nnx.Module):
         if not write_cache and (attention_impl != "xla" or cached_slots is not None):
             raise ValueError(f"write_cache=False needs attention_impl='xla' and cached_slots=None, got "
                              f"{attention_impl!r} and {cached_slots!r}")
-        B, T = tokens.shape
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
         cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
-        # The residual stream is feature-major, [D, B*T]: every projection is then W [out, in] @ xt, the
-        # operand order XLA:CPU runs fastest when a few rows share the weights (docs/cpu-performance.md).
-        xt = x.reshape(B * T, -1).T
         args = (cos, sin, cache.lengths, attention_impl, tree_mask, cached_slots, write_cache)
         if self.layer_loop == "scan":
-            xt, ks, vs, outputs = self._scan_layers(xt, cache, args, return_layers)
+            x, ks, vs, outputs = self._scan_layers(x, cache, args, return_layers)
         else:
-            xt, ks, vs, outputs = self._unrolled_layers(xt, cache, args, return_layers)
-
-        def rows(xt):
-            return xt.T.reshape(B, T, -1)
-
-        hidden = rows(self.norm(xt))
+            x, ks, vs, outputs = self._unrolled_layers(x, cache, args, return_layers)
+        hidden = self.norm(x)  # [B, T, D]
         logits = None
         if compute_logits:
             picked = hidden if logits_at is None else jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
@@ -415,43 +407,43 @@ class Llama(nnx.Module):
         new_cache = cache.replace(k=ks, v=vs)
         if not write_cache:  # ks, vs hold the new tokens' K/V [B, (L,) Hkv, T, hd] from slot 0
             new_cache = new_cache.replace(lengths=jnp.zeros_like(cache.lengths))
-        return ModelOutput(logits=logits, hidden=hidden, layer_hidden=tuple(map(rows, outputs))), new_cache
+        return ModelOutput(logits=logits, hidden=hidden, layer_hidden=tuple(outputs)), new_cache
 
-    def _unrolled_layers(self, xt, cache: KVCache, args: tuple, return_layers: tuple[int, ...]):
-        """The layers one after another in the trace: (xt, per-layer K and V buffers, requested layers' xt)."""
+    def _unrolled_layers(self, x, cache: KVCache, args: tuple, return_layers: tuple[int, ...]):
+        """The layers one after another in the trace: (x, per-layer K and V buffers, requested layers' x)."""
         cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache = args
         ks, vs, saved = list(cache.k), list(cache.v), []
         for i, layer in enumerate(self.layers):
             # visible=None: the target's mask is built per cache bucket (`_bucketed_attention`).
-            xt, ks[i], vs[i] = layer(xt, cos, sin, ks[i], vs[i], lengths, None, attention_impl, tree_mask,
-                                     cached_slots, write_cache)
+            x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], lengths, None, attention_impl, tree_mask,
+                                    cached_slots, write_cache)
             if i in return_layers:
-                saved.append(xt)
-        return xt, tuple(ks), tuple(vs), saved
+                saved.append(x)
+        return x, tuple(ks), tuple(vs), saved
 
-    def _scan_layers(self, xt, cache: KVCache, args: tuple, return_layers: tuple[int, ...]):
-        """The stacked layers as one `lax.scan`: (xt, stacked K and V [B, L, Hkv, S or T, hd], requested layers'
-        xt). Writing, each layer updates its slice of the carried cache in place; deferring (write_cache=False)
+    def _scan_layers(self, x, cache: KVCache, args: tuple, return_layers: tuple[int, ...]):
+        """The stacked layers as one `lax.scan`: (x, stacked K and V [B, L, Hkv, S or T, hd], requested layers'
+        x). Writing, each layer updates its slice of the carried cache in place; deferring (write_cache=False)
         it only reads the cache and the new tokens' K/V leave the scan as its stacked output."""
         cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache = args
         graphdef, stacked = nnx.split(self.layers)
 
         def body(carry, xs):
-            xt, k_cache, v_cache = carry
+            x, k_cache, v_cache = carry
             params, i = xs
             layer = nnx.merge(graphdef, params)
-            xt, k_out, v_out = layer(xt, cos, sin, k_cache, v_cache, lengths, None, attention_impl, tree_mask,
-                                     cached_slots, write_cache, layer=i)
+            x, k_out, v_out = layer(x, cos, sin, k_cache, v_cache, lengths, None, attention_impl, tree_mask,
+                                    cached_slots, write_cache, layer=i)
             if write_cache:
-                return (xt, k_out, v_out), ((), xt if return_layers else None)
-            return (xt, k_cache, v_cache), ((k_out, v_out), xt if return_layers else None)  # new K/V [B, Hkv, T, hd]
+                return (x, k_out, v_out), ((), x if return_layers else None)
+            return (x, k_cache, v_cache), ((k_out, v_out), x if return_layers else None)  # new K/V [B, Hkv, T, hd]
 
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (xt, ks, vs), (new, outputs) = jax.lax.scan(body, (xt, cache.k, cache.v), (stacked, layers))
+        (x, ks, vs), (new, outputs) = jax.lax.scan(body, (x, cache.k, cache.v), (stacked, layers))
         if not write_cache:
-            ks, vs = (x.swapaxes(0, 1) for x in new)  # [L, B, Hkv, T, hd] -> [B, L, Hkv, T, hd]
+            ks, vs = (a.swapaxes(0, 1) for a in new)  # [L, B, Hkv, T, hd] -> [B, L, Hkv, T, hd]
         saved = [outputs[i] for i in range(self.cfg.num_layers) if i in return_layers]
-        return xt, ks, vs, saved
+        return x, ks, vs, saved
 
 
 def default_layer_loop() -> LayerLoop:

@@ -1,15 +1,18 @@
 """A float32 matmul for few columns on the CPU: `y [m, n] = w [m, k] @ x [k, n]`, as an XLA FFI custom call.
 
-The model's projections multiply weights w [out, in] by feature-major activations x [in, N], N = rows x new
-tokens. On XLA:CPU a product over 2-16 columns costs several times one over a single column although it reads
-the same weights (docs/cpu-performance.md); small_matmul.cc reads every weight once for any N, so a verify
-forward over a few tokens costs about what a one-token forward costs.
+The model's projections (`linear`, the model's one boundary to this package) hand it weights w [out, in] and
+their few activation rows transposed, x [in, N], N = rows x new tokens. On XLA:CPU a product over 2-16 columns
+costs several times one over a single column although it reads the same weights (docs/cpu-performance.md);
+small_matmul.cc reads every weight once for any N, so a verify forward over a few tokens costs about what a
+one-token forward costs.
 
 - `available()` / `unavailable_reason()`: whether the library built by `python -m jaxspec.kernels.cpu.build`
   (run by `make install`) is present, loads, and was built from these sources; `isa()`: the code path it picks
   on this CPU. Nothing is loaded until one of these, `matmul` or `project` is called.
 - `matmul(w, x)`: the custom call itself (CPU only, float32, no differentiation rule).
-- `project(w, x, impl)`: what the model calls. `impl="auto"` uses the kernel on CPU when it is available and N
+- `linear(x, w, impl)`: what the model calls, x [..., in] by w [out, in]; the kernel through `project` where it
+  applies, XLA's dot elsewhere.
+- `project(w, x, impl)`: the feature-major product. `impl="auto"` uses the kernel on CPU when it is available and N
   is in `AUTO_COLUMNS` for its code path (where it measured faster), else XLA's `w @ x`; `"xla"` and `"ffi"`
   force a path (`"ffi"`: the kernel for every float32 product). Under `jax.grad`/`jax.jvp` the kernel still
   computes the forward value and XLA the derivatives.
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["AUTO_COLUMNS", "MatmulImpl", "available", "default_impl", "isa", "matmul", "project",
+__all__ = ["AUTO_COLUMNS", "MatmulImpl", "available", "default_impl", "isa", "linear", "matmul", "project",
            "unavailable_reason", "uses_kernel"]
 
 MatmulImpl = Literal["auto", "xla", "ffi"]
@@ -181,6 +184,18 @@ def uses_kernel(impl: MatmulImpl, w, x) -> bool:
             raise RuntimeError(f"matmul impl='ffi' but the CPU matmul kernel is unavailable: {unavailable_reason()}")
         return True
     return fits and available() and x.shape[1] in AUTO_COLUMNS.get(isa(), ())
+
+
+def linear(x: jax.Array, w: jax.Array, impl: MatmulImpl = "auto") -> jax.Array:
+    """x [..., in] times w [out, in] -> [..., out], the product every model projection calls: XLA's dot, or, on the
+    CPU where `impl` says so (`uses_kernel`), the kernel's w @ x^T over the rows transposed (the few rows of a
+    decode or verify step, so the transposes are small)."""
+    rows = x.reshape(-1, x.shape[-1])  # [N, in]
+    if uses_kernel(impl, w, rows.T):
+        out = project(w, rows.T, impl).T
+    else:
+        out = jnp.einsum("ni,oi->no", rows, w)
+    return out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def project(w: jax.Array, x: jax.Array, impl: MatmulImpl = "auto") -> jax.Array:
