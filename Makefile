@@ -46,6 +46,8 @@ docs:
 bench: install
 	$(PYTHON) -m pip install -q -e ".[bench,peers]"
 	$(PYTHON) scripts/bench_compile.py --methods none,sam,eagle3 --rows 1,8 --server --write-page
+	$(PYTHON) scripts/bench_compile.py --methods none,sam --rows 1,8 --caches cold --layer-loops unroll,scan \
+		--write-page compile-layer-loops
 	$(PYTHON) scripts/bench.py --peers --peer-prompts 4 --batches 1,8 --new-tokens 64 --repeats 2 --write-page
 	$(PYTHON) scripts/bench_spec.py --limit 4 --batch1-limit 2 --new-tokens 64 --methods none,ngram,sam --ks default \
 		--temperatures 0 --sweep-batches "" --cost-ts "" --overhead-repeats 5 --write-page
@@ -56,8 +58,8 @@ bench: install
 		--write-page heads-whole-trees
 	$(PYTHON) scripts/bench_serve.py --concurrency 1,4 --max-tokens 32 --modes off,adaptive --write-page
 	$(PYTHON) scripts/bench_serve.py --engine --requests 16 --max-tokens 32 --repeats 2 --write-page
-	$(PYTHON) scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 128 --temperatures 0.7 \
-		--methods generate,none,group_sam --write-page
+	$(PYTHON) scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 512 --temperatures 0.7 --stop humaneval \
+		--methods none,group_sam --repeats 3 --write-page
 	$(PYTHON) scripts/bench_outputs.py json --skip 10 --prompts 6 --new-tokens 64 --write-page
 	$(PYTHON) scripts/bench_outputs.py edits --prompts 4 --requests 4 --new-tokens 64 --write-page
 	if $(PYTHON) -c 'import jax; raise SystemExit(jax.default_backend() == "cpu")'; then \
