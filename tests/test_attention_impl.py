@@ -6,14 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxspec
 from jaxspec.kernels.verify_attention import compiled_supports
 from jaxspec.models import llama as llama_module
 
 
-def test_forward_pallas_equals_xla_chain_and_tree(tiny_lm):
-    module = tiny_lm.module
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_forward_pallas_equals_xla_chain_and_tree(tiny_lm, layer_loop):
+    """Also with the layers as a scan, where the kernel reads its layer's slice of the stacked cache."""
+    module = nnx.merge(tiny_lm.graphdef, tiny_lm.params, copy=True)
+    llama_module.set_layer_loop(module, layer_loop)
     prefix = jnp.asarray([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]], jnp.int32)
     _, cache = module(prefix, jnp.broadcast_to(jnp.arange(5), (2, 5)), module.new_cache(2, 32))
     cache = cache.replace(lengths=jnp.asarray([5, 3], jnp.int32))
