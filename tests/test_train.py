@@ -414,6 +414,7 @@ def test_measured_acceptance_scores_the_whole_default_draft(tiny_lm, head_files,
 
     monkeypatch.setenv(cost.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cost, "_MEMO", {})
+    monkeypatch.setattr(cost, "BACKGROUND", False)  # generate below waits for the table, not the prior
     monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(
         1.0 if w == 1 else 100.0 for w in widths))
     prompts = _prompts(5, 2)
