@@ -121,7 +121,9 @@ class EagleHead(nnx.Module):
         d = cfg.hidden_size
         self.fc = _dense_init(rngs, (d, 2 * d), jnp.float32)  # [D, 2D]: [embedding; feature] -> D
         self.fc_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
-        self.layer = DecoderLayer(dataclasses.replace(cfg, dtype="float32"), rngs)
+        # A Llama decoder layer whatever the target's own layers add (Qwen3's q/k norms, Mistral's window), as
+        # EAGLE's and SpecForge's drafters for those targets are.
+        self.layer = DecoderLayer(dataclasses.replace(cfg, dtype="float32", qk_norm=False, sliding_window=None), rngs)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, jnp.float32)
 
     feature_layers: tuple[int, ...] = ()  # () : the head reads the target's final hidden state

@@ -1,8 +1,10 @@
-"""A Llama-family decoder in Flax NNX (Llama, Qwen2, SmolLM2).
+"""A Llama-family decoder in Flax NNX (Llama, Mistral, Qwen2, Qwen3, SmolLM2).
 
 One forward path serves prefill, single-token decode and verification: T new tokens per row at per-row
 positions, their K/V written into a preallocated cache at per-row lengths, an optional mask among the new
 tokens (causal by default, a tree's ancestor mask for tree verification). It returns logits and hidden states.
+The architectures differ in config switches only: q/k/v biases (Qwen2), per-head q/k norms (Qwen3) and a sliding
+attention window (Mistral), which narrows every mask below to the keys within the window of each query's position.
 
 The layer stack runs one of two ways (`layer_loop`, chosen per platform by `default_layer_loop`): "scan", the
 layout JAX users know from MaxText and tpu-inference, where the layers' weights are stacked [L, ...] and one
@@ -87,18 +89,21 @@ class Attention(nnx.Module):
         self.qkv = _dense_init(rngs, (qkv_width, cfg.hidden_size), dt)  # [(H + 2 Hkv) hd, D]
         self.qkv_bias = nnx.Param(jnp.zeros((qkv_width,), dt)) if cfg.attention_bias else None
         self.o = _dense_init(rngs, (cfg.hidden_size, cfg.num_heads * cfg.head_dim), dt)  # [D, H hd]
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
         # Static: the qkv rows are stored as `blocks` consecutive [q; k; v] blocks of H/blocks query and
         # Hkv/blocks KV heads each (`set_blocks`), so a tensor-parallel split of the rows gives each device whole
         # heads. 1 (one [q; k; v]) without a mesh.
         self.blocks = 1
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None, write_cache=True, layer=None):
+                 cached_slots=None, write_cache=True, layer=None, positions=None):
         """x [B, T, D]; returns the attention block's output [B, T, D] and the caches with the new K/V written,
         or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd].
 
         With `layer` (i32[], inside a scanned layer stack) the caches are the stack's [B, L, Hkv, S, hd] buffers,
-        written and read at that layer."""
+        written and read at that layer. `positions` i32[B, T] (the new tokens' positions) is needed with a sliding
+        window: committed slot s holds position s, so the window bounds slots as well as new tokens."""
         cfg = self.cfg
         B, T = cos.shape[:2]
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -110,26 +115,31 @@ class Attention(nnx.Module):
         q, k, v = jnp.split(qkv, [H // n, (H + Hkv) // n], axis=3)
         q, k, v = (a.reshape(B, T, -1, hd) for a in (q, k, v))  # [B, T, heads, hd]
         q, k, v = (constrain(a, "batch", None, "heads", None) for a in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
         v = v.transpose(0, 2, 1, 3)
         def this_layer(buffer):  # [B, Hkv, S, hd]: the layer's own buffer, or its slice of the stack's
             return buffer if layer is None else jax.lax.dynamic_index_in_dim(buffer, layer, 1, keepdims=False)
 
+        window = None if cfg.sliding_window is None else (positions, cfg.sliding_window)
         if not write_cache:
-            out = _attention_beside_cache(q, this_layer(k_cache), this_layer(v_cache), k, v, lengths, tree_mask, cfg)
+            out = _attention_beside_cache(q, this_layer(k_cache), this_layer(v_cache), k, v, lengths, tree_mask, cfg,
+                                          window)
             return linear(out.reshape(B, T, H * hd), self.o[...], self.matmul), k, v
         k_cache, v_cache = write_new(k_cache, k, lengths, layer), write_new(v_cache, v, lengths, layer)
         k_layer, v_layer = this_layer(k_cache), this_layer(v_cache)
         # "pallas" is a hint: the interpreter (CPU) takes any head dim, the compiled kernel only those Triton takes,
         # so a model with another (8, 80, ...) uses XLA's attention rather than fail on a GPU, where it is the default.
+        # The kernel's mask has no window either.
         interpret = jax.default_backend() == "cpu"
-        if attention_impl == "pallas" and (interpret or compiled_supports(hd)):
+        if attention_impl == "pallas" and (interpret or compiled_supports(hd)) and window is None:
             out = verify_attention(q, k_layer, v_layer, lengths, tree_mask, interpret=interpret)
         elif visible is not None:  # the caller's own mask over the whole cache (the EAGLE head's trees)
             out = _xla_attention(q, k_layer, v_layer, visible, cfg)
         else:
-            out = _bucketed_attention(q, k_layer, v_layer, lengths, tree_mask, cfg, cached_slots)
+            out = _bucketed_attention(q, k_layer, v_layer, lengths, tree_mask, cfg, cached_slots, window)
         return linear(out.reshape(B, T, H * hd), self.o[...], self.matmul), k_cache, v_cache
 
 
@@ -151,10 +161,11 @@ def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
     return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
 
-def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, cfg: ModelConfig):
+def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, cfg: ModelConfig, window=None):
     """q [B,T,H,hd] against the committed slots of an unwritten cache [B,Hkv,S,hd] (those below lengths i32[B])
     and the T new tokens' own k_new, v_new [B,Hkv,T,hd] (causal among themselves, or as `tree_mask` bool[B,T,T]
-    says) -> [B,T,H,hd]: one softmax over both score blocks, the cache only read.
+    says) -> [B,T,H,hd]: one softmax over both score blocks, the cache only read. `window`: None, or
+    (positions i32[B,T], W) to hide keys W or more positions behind each query.
 
     The same attention as writing the new K/V at slots lengths.. and reading the cache (`_bucketed_attention`),
     up to float summation order. The cache part reads the smallest of `read_buckets(S)` holding every row.
@@ -163,16 +174,23 @@ def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mas
     Hkv, G = cfg.num_kv_heads, cfg.q_per_kv
     S = k_cache.shape[2]
 
-    def attend_rows(slots: int, q, k_cache, v_cache, k_new, v_new, lengths, tree_mask):  # any b of the B rows
+    positions, W = (None, None) if window is None else window
+
+    def attend_rows(slots: int, q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, positions):  # any b rows
         B = q.shape[0]
         q = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)  # as in _xla_attention
         among_new = jnp.tril(jnp.ones((1, T, T), bool)) if tree_mask is None else tree_mask  # bool[b or 1, T, T]
+        if positions is not None:  # keys within the window of each query's position
+            among_new = among_new & (positions[:, None, :] > positions[:, :, None] - W)  # bool[b, T, T]
         new_scores = jnp.einsum("bkmd,bktd->bkmt", q, k_new, preferred_element_type=jnp.float32) * (hd ** -0.5)
         new_scores = jnp.where(among_new[:, None, None], new_scores.reshape(B, Hkv, G, T, T), _MASKED)
         k_old, v_old = k_cache[:, :, :slots], v_cache[:, :, :slots]
         scores = jnp.einsum("bkmd,bksd->bkms", q, k_old, preferred_element_type=jnp.float32) * (hd ** -0.5)
-        committed = jnp.arange(slots)[None, :] < lengths[:, None]  # bool[B, slots]
-        scores = jnp.where(committed[:, None, None, None], scores.reshape(B, Hkv, G, T, slots), _MASKED)
+        committed = (jnp.arange(slots)[None, :] < lengths[:, None])[:, None, None, None]  # bool[b, 1, 1, 1, slots]
+        if positions is not None:
+            near = jnp.arange(slots)[None, None, :] > positions[:, :, None] - W  # bool[b, T, slots]
+            committed = committed & near[:, None, None]  # bool[b, 1, 1, T, slots]
+        scores = jnp.where(committed, scores.reshape(B, Hkv, G, T, slots), _MASKED)
         probs = jax.nn.softmax(jnp.concatenate([scores, new_scores], axis=-1), axis=-1).astype(v_old.dtype)
         probs = probs.reshape(B, Hkv, G * T, slots + T)
         out = (jnp.einsum("bkms,bksd->bkmd", probs[..., :slots], v_old)
@@ -181,7 +199,7 @@ def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mas
 
     def attend(slots: int):
         return _by_row_groups(functools.partial(attend_rows, slots), _kv_row_bytes(k_cache, slots),
-                              q, k_cache, v_cache, k_new, v_new, lengths, tree_mask)
+                              q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, positions)
 
     return _in_read_bucket(attend, S, jnp.max(lengths))  # the committed slots only: the new K/V sit beside them
 
@@ -244,9 +262,11 @@ def read_buckets(max_len: int) -> tuple[int, ...]:
     return tuple(sizes) + (max_len,)
 
 
-def _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfig, cached_slots: int | None):
+def _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfig, cached_slots: int | None,
+                        window=None):
     """q [B,T,H,hd] against the committed prefix and the T new tokens (already written at slots lengths i32[B]
-    onwards; causal among themselves, or as `tree_mask` bool[B,T,T] says) -> [B,T,H,hd].
+    onwards; causal among themselves, or as `tree_mask` bool[B,T,T] says) -> [B,T,H,hd]. `window`: None, or
+    (positions i32[B,T], W) as in `visibility_mask`.
 
     Only a prefix of the cache [B,Hkv,S,hd] is read: `cached_slots` + T slots when the caller bounds every
     row's length statically (0 for a prefill), else the smallest of `read_buckets(S)` that holds the longest
@@ -256,13 +276,15 @@ def _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfi
     T = q.shape[1]
     S = k_cache.shape[2]
 
-    def attend_rows(slots: int, q, k_cache, v_cache, lengths, tree_mask):  # any b of the B rows
-        visible = visibility_mask(lengths, T, slots, tree_mask)  # bool[b, T, slots]
+    positions, W = (None, None) if window is None else window
+
+    def attend_rows(slots: int, q, k_cache, v_cache, lengths, tree_mask, positions):  # any b of the B rows
+        visible = visibility_mask(lengths, T, slots, tree_mask, positions, W)  # bool[b, T, slots]
         return _xla_attention(q, k_cache[:, :, :slots], v_cache[:, :, :slots], visible, cfg)
 
     def attend(slots: int):
         return _by_row_groups(functools.partial(attend_rows, slots), _kv_row_bytes(k_cache, slots),
-                              q, k_cache, v_cache, lengths, tree_mask)
+                              q, k_cache, v_cache, lengths, tree_mask, positions)
 
     if cached_slots is not None:
         return attend(min(S, cached_slots + T))
@@ -297,21 +319,23 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs, matmul)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None, write_cache=True, layer=None):
+                 cached_slots=None, write_cache=True, layer=None, positions=None):
         """x [B, T, D] -> the block's output [B, T, D] and the caches (as `Attention` returns them)."""
-        attn_out, k_cache, v_cache = self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, lengths,
-                                               visible, attention_impl, tree_mask, cached_slots, write_cache, layer)
+        attn_out, k_cache, v_cache = self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, lengths, visible,
+                                               attention_impl, tree_mask, cached_slots, write_cache, layer, positions)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_norm(x))
         return x, k_cache, v_cache
 
 
-def visibility_mask(lengths: jax.Array, num_new: int, max_len: int,
-                    tree_mask: jax.Array | None = None) -> jax.Array:
+def visibility_mask(lengths: jax.Array, num_new: int, max_len: int, tree_mask: jax.Array | None = None,
+                    positions: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """bool[B, T, S]: may new token t of row b attend cache slot s?
 
     Slots below lengths[b] are the committed prefix (always visible); the T new tokens occupy slots
-    lengths[b] .. lengths[b]+T-1 and see each other causally, or as `tree_mask` bool[B, T, T] says.
+    lengths[b] .. lengths[b]+T-1 and see each other causally, or as `tree_mask` bool[B, T, T] says. With a sliding
+    `window` and the new tokens' `positions` i32[B, T], a key is visible only when it is fewer than `window`
+    positions behind the query (a committed slot s holds position s, new token j position positions[b, j]).
     """
     rel = jnp.arange(max_len)[None, :] - lengths[:, None]  # [B, S]: slot index among the new tokens
     prefix = (rel < 0)[:, None, :]
@@ -321,7 +345,12 @@ def visibility_mask(lengths: jax.Array, num_new: int, max_len: int,
     else:
         idx = jnp.broadcast_to(jnp.clip(rel, 0, num_new - 1)[:, None, :], (lengths.shape[0], num_new, max_len))
         among_new = jnp.take_along_axis(tree_mask, idx, axis=2)
-    return prefix | (is_new & among_new)
+    visible = prefix | (is_new & among_new)
+    if window is None:
+        return visible
+    new_at = jnp.take_along_axis(positions, jnp.clip(rel, 0, num_new - 1), axis=1)  # [B, S]
+    key_position = jnp.where(rel < 0, jnp.arange(max_len)[None, :], new_at)  # [B, S]
+    return visible & (key_position[:, None, :] > positions[:, :, None] - window)
 
 
 class Llama(nnx.Module):
@@ -394,7 +423,8 @@ class Llama(nnx.Module):
                              f"{attention_impl!r} and {cached_slots!r}")
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
         cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
-        args = (cos, sin, cache.lengths, attention_impl, tree_mask, cached_slots, write_cache)
+        window_positions = positions if self.cfg.sliding_window is not None else None
+        args = (cos, sin, cache.lengths, attention_impl, tree_mask, cached_slots, write_cache, window_positions)
         if self.layer_loop == "scan":
             x, ks, vs, outputs = self._scan_layers(x, cache, args, return_layers)
         else:
@@ -411,12 +441,12 @@ class Llama(nnx.Module):
 
     def _unrolled_layers(self, x, cache: KVCache, args: tuple, return_layers: tuple[int, ...]):
         """The layers one after another in the trace: (x, per-layer K and V buffers, requested layers' x)."""
-        cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache = args
+        cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache, positions = args
         ks, vs, saved = list(cache.k), list(cache.v), []
         for i, layer in enumerate(self.layers):
             # visible=None: the target's mask is built per cache bucket (`_bucketed_attention`).
             x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], lengths, None, attention_impl, tree_mask,
-                                    cached_slots, write_cache)
+                                    cached_slots, write_cache, positions=positions)
             if i in return_layers:
                 saved.append(x)
         return x, tuple(ks), tuple(vs), saved
@@ -425,7 +455,7 @@ class Llama(nnx.Module):
         """The stacked layers as one `lax.scan`: (x, stacked K and V [B, L, Hkv, S or T, hd], requested layers'
         x). Writing, each layer updates its slice of the carried cache in place; deferring (write_cache=False)
         it only reads the cache and the new tokens' K/V leave the scan as its stacked output."""
-        cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache = args
+        cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache, positions = args
         graphdef, stacked = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -433,7 +463,7 @@ class Llama(nnx.Module):
             params, i = xs
             layer = nnx.merge(graphdef, params)
             x, k_out, v_out = layer(x, cos, sin, k_cache, v_cache, lengths, None, attention_impl, tree_mask,
-                                    cached_slots, write_cache, layer=i)
+                                    cached_slots, write_cache, layer=i, positions=positions)
             if write_cache:
                 return (x, k_out, v_out), ((), x if return_layers else None)
             return (x, k_cache, v_cache), ((k_out, v_out), x if return_layers else None)  # new K/V [B, Hkv, T, hd]

@@ -116,10 +116,14 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     """Load a named model (see NAMED_MODELS), a `.gguf` file, a Hugging Face directory, or a random-weight model.
 
     `"random:<name>"` (`jaxspec.models.random_shapes.RANDOM_SHAPES`: `random:smollm2-135m`, `random:llama-3.2-1b`,
-    `random:llama-3.1-8b`) builds a model in the shapes of that checkpoint with random weights, drawn on the device
-    in `dtype`: its output is meaningless; it is for measuring step times and memory at real sizes. It carries the
-    default model's tokenizer where the vocabularies match (`random:smollm2-135m`) and none otherwise (prompts are
-    then token ids, and results have no text). An unknown name is a ValueError listing the known ones.
+    `random:llama-3.1-8b`, `random:qwen3-8b`) builds a model in the shapes of that checkpoint with random weights,
+    drawn on the device in `dtype`: its output is meaningless; it is for measuring step times and memory at real
+    sizes. It carries the default model's tokenizer where the vocabularies match (`random:smollm2-135m`) and none
+    otherwise (prompts are then token ids, and results have no text). An unknown name is a ValueError listing the
+    known ones.
+
+    A Hugging Face directory's `config.json` names its architecture (`model_type`): Llama, Mistral, Qwen2 and Qwen3
+    load (`jaxspec.models.config.HF_ARCHITECTURES`); any other is a ValueError naming it.
 
     A Hugging Face directory holds `config.json`, `model.safetensors` or a sharded
     `model.safetensors.index.json`, and `tokenizer.json`; float32, float16 and bfloat16 tensors are read. With a
@@ -462,6 +466,10 @@ _BIAS_SHAPES = {
     "self_attn.k_proj.bias": ("num_kv_heads*head_dim",),
     "self_attn.v_proj.bias": ("num_kv_heads*head_dim",),
 }
+_QK_NORM_SHAPES = {
+    "self_attn.q_norm.weight": ("head_dim",),
+    "self_attn.k_norm.weight": ("head_dim",),
+}
 _GLOBAL_SHAPES = {
     "model.embed_tokens.weight": ("vocab_size", "hidden_size"),
     "model.norm.weight": ("hidden_size",),
@@ -477,7 +485,8 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """The Hugging Face-named tensors a checkpoint of `config` holds, each with its shape as config fields
     (lm_head.weight included; a tied model may leave it out)."""
     names = dict(_GLOBAL_SHAPES)
-    per_layer = {**_LAYER_SHAPES, **(_BIAS_SHAPES if config.attention_bias else {})}
+    per_layer = {**_LAYER_SHAPES, **(_BIAS_SHAPES if config.attention_bias else {}),
+                 **(_QK_NORM_SHAPES if config.qk_norm else {})}
     for i in range(config.num_layers):
         names.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
     return names
@@ -546,6 +555,9 @@ def build_module(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
         if config.attention_bias:
             bias = np.concatenate([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             assign(layer.attn.qkv_bias, bias, p + "self_attn.qkv_bias")
+        if config.qk_norm:
+            assign(layer.attn.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+            assign(layer.attn.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
         assign(layer.attn.o, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
         gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
         assign(layer.mlp.gate_up, np.concatenate([gate, up], axis=0), p + "mlp.gate_up")
