@@ -48,6 +48,11 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
                                 num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
                                 rope=RopeConfig(factor=8.0, **_LLAMA3_ROPE), tie_word_embeddings=False,
                                 max_position_embeddings=131072),
+    # Qwen/Qwen3-8B: per-head q/k norms, head_dim 128.
+    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                            num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                            rope=RopeConfig(theta=1000000.0), tie_word_embeddings=False, qk_norm=True,
+                            max_position_embeddings=40960),
 }
 
 

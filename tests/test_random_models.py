@@ -14,7 +14,9 @@ from jaxspec.models.loading import gguf_config, named_model_path
 from jaxspec.models.random_shapes import RANDOM_SHAPES, _uniform, random_config
 
 # Parameter counts of the published checkpoints (a tied head counted once).
-PUBLISHED_PARAMETERS = {"smollm2-135m": 134_515_008, "llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248}
+# Qwen3-8B: its safetensors index's total_size, 16,381,470,720 bytes of bfloat16.
+PUBLISHED_PARAMETERS = {"smollm2-135m": 134_515_008, "llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
+                        "qwen3-8b": 8_190_735_360}
 
 
 def parameter_count(name: str) -> int:
