@@ -146,8 +146,19 @@ def _build_draft_model(lm, spec, shapes):
     if draft.config.vocab_size != lm.config.vocab_size:
         raise ValueError(f"draft_model {draft.name!r} has vocab_size={draft.config.vocab_size}; the target "
                          f"{lm.name!r} has {lm.config.vocab_size}: they must share one vocabulary")
+    if draft.tokenizer is not None and lm.tokenizer is not None:
+        i = lm.tokenizer.first_difference(draft.tokenizer)
+        if i is not None:
+            raise ValueError(f"draft_model {draft.name!r} has another tokenizer than the target {lm.name!r}: token "
+                             f"{i} is {_entry(draft.tokenizer, i)} there and {_entry(lm.tokenizer, i)} in the "
+                             f"target; they must share one vocabulary")
     return DraftModelProposer(spec.num_speculative_tokens, draft.graphdef, cache_len=shapes.cache_len,
                               prompt_width=shapes.prompt_width), draft.params
+
+
+def _entry(tokenizer, i: int) -> str:
+    token = tokenizer.backend.id_to_token(i)
+    return "absent" if token is None else repr(token)
 
 
 _HEADS: dict = {}  # (path, modification time, target config) -> (graphdef, params, metadata)

@@ -11,6 +11,7 @@ silently tokenizing differently from the model's reference tokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -332,6 +333,11 @@ class Tokenizer:
         """The id of vocabulary entry ``s`` (byte-level form), or None."""
         return self.backend.token_to_id(s)
 
+    def first_difference(self, other: "Tokenizer") -> int | None:
+        """The first id that `other` maps to another vocabulary entry than this tokenizer (None when both hold
+        the same entries under the same ids): a draft model's token ids mean the target's only then."""
+        return _first_difference(self, other)
+
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(
@@ -372,3 +378,14 @@ class Tokenizer:
             f"eos_token_ids={self.eos_token_ids}, add_bos={self.add_bos}, "
             f"chat_template={'yes' if self.chat_template else 'no'})"
         )
+
+
+@functools.lru_cache(maxsize=8)  # tokenizers hash by identity; a pair is compared once, not per generate call
+def _first_difference(a: Tokenizer, b: Tokenizer) -> int | None:
+    if a is b:
+        return None
+    mine, theirs = a.backend.get_vocab(with_added_tokens=True), b.backend.get_vocab(with_added_tokens=True)
+    by_id = {i: t for t, i in mine.items()}
+    other_by_id = {i: t for t, i in theirs.items()}
+    differing = [i for i in set(by_id) | set(other_by_id) if by_id.get(i) != other_by_id.get(i)]
+    return min(differing) if differing else None

@@ -6,10 +6,15 @@ a time and four at a time.
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
+import tokenizers
 
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
+from jaxspec.models.tokenizer import Tokenizer
 from jaxspec.proposers.draft_model import self_draft_model
 
 pytestmark = pytest.mark.real_model
@@ -82,3 +87,26 @@ def test_both_sam_indexes_draft_the_same_tokens(smollm2, prompt_ids, plain):
     assert match.stats.drafted > 0 and match.stats.accepted > 0
     for field in ("steps", "drafted", "accepted", "drafted_per_position", "accepted_per_position"):
         assert getattr(match.stats, field) == getattr(automaton.stats, field), field
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(smollm2):
+    """Same vocabulary size, two entries swapped: the draft's ids would mean other tokens, so drafting is refused
+    by name before anything compiles; an equal tokenizer in another object passes the check."""
+    def rebuilt(edit=lambda vocab: None):
+        data = json.loads(smollm2.tokenizer.backend.to_str())
+        edit(data["model"]["vocab"])
+        t = smollm2.tokenizer
+        return Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(data)), bos_token_id=t.bos_token_id,
+                         eos_token_id=t.eos_token_id, pad_token_id=t.pad_token_id, add_bos=t.add_bos)
+
+    a, b = smollm2.tokenizer.id_to_token(1000), smollm2.tokenizer.id_to_token(2000)
+
+    def swap(vocab):
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+
+    assert smollm2.tokenizer.first_difference(rebuilt()) is None
+    draft = self_draft_model(smollm2, 2)
+    draft.tokenizer = rebuilt(swap)
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=2, draft_model=draft)
+    with pytest.raises(ValueError, match=re.escape(f"token 1000 is {b!r} there and {a!r} in the target")):
+        jaxspec.generate(smollm2, ["def f():"], max_new_tokens=4, spec=spec)
