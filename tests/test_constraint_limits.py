@@ -303,6 +303,7 @@ def test_fuzzed_specs_compile_or_raise_value_errors_within_the_budget(tok_and_vo
 
 
 MODEL = "smollm2-tiny-random"
+HTTP_LIMITS = ConstraintLimits(time_s=3)
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +323,7 @@ def app_client(tok_and_vocab):
                       num_kv_heads=2, head_dim=8, tie_word_embeddings=False, max_position_embeddings=512)
     lm = jaxspec.LanguageModel.from_module(Llama(cfg, rngs=nnx.Rngs(0)), tokenizer=tok, name=MODEL)
     config = EngineConfig(max_slots=2, slot_buckets=(1, 2), cache_len=256,
-                          constraint_limits=ConstraintLimits(time_s=3))
+                          constraint_limits=HTTP_LIMITS)
     engine = Engine(lm, config)
     return TestClient(create_app(engine, served_model_name=MODEL), raise_server_exceptions=False), engine
 
@@ -349,7 +350,9 @@ def test_http_refusals_are_400s_naming_response_format(app_client, schema, limit
     error = r.json()["error"]
     assert error["param"].startswith("response_format") and limit in error["message"]
     assert len(error["message"]) < 1000
-    assert time.perf_counter() - start < 10
+    # Answered within the compiler's own bound on a worker (a starved worker is given up on then), plus the
+    # request's own handling: a refusal never waits on the engine.
+    assert time.perf_counter() - start < wall_seconds(HTTP_LIMITS) + 2
 
 
 def test_http_too_many_waiting_compiles_is_a_429(app_client, monkeypatch):
