@@ -145,7 +145,8 @@ def test_a_scanned_model_rolls_out(tiny_lm):
     ref = jaxspec.rollout(tiny_lm, prompts, **kw)
     got = jaxspec.rollout(scanned, prompts, spec=SpecConfig(method="group_sam"), speculation="always", **kw)
     assert got.token_ids == ref.token_ids and got.stats.drafted > 0
-    assert len({c.batch for c in ref.stats.chunks}) > 1 or ref.stats.chunks[0].batch == 9
+    batches = [c.batch for c in got.stats.chunks]
+    assert min(batches) < batches[0], batches  # finished rows left the batch: the stacked cache was compacted
 
 
 def test_a_new_llama_takes_the_platform_default():
