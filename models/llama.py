@@ -181,14 +181,14 @@ def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mas
         q = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)  # as in _xla_attention
         among_new = jnp.tril(jnp.ones((1, T, T), bool)) if tree_mask is None else tree_mask  # bool[b or 1, T, T]
         if positions is not None:  # keys within the window of each query's position
-            among_new = among_new & (positions[:, None, :] > positions[:, :, None] - W)  # bool[b, T, T]
+            among_new = among_new & _in_window(positions, positions, W)  # bool[b, T, T]
         new_scores = jnp.einsum("bkmd,bktd->bkmt", q, k_new, preferred_element_type=jnp.float32) * (hd ** -0.5)
         new_scores = jnp.where(among_new[:, None, None], new_scores.reshape(B, Hkv, G, T, T), _MASKED)
         k_old, v_old = k_cache[:, :, :slots], v_cache[:, :, :slots]
         scores = jnp.einsum("bkmd,bksd->bkms", q, k_old, preferred_element_type=jnp.float32) * (hd ** -0.5)
         committed = (jnp.arange(slots)[None, :] < lengths[:, None])[:, None, None, None]  # bool[b, 1, 1, 1, slots]
         if positions is not None:
-            near = jnp.arange(slots)[None, None, :] > positions[:, :, None] - W  # bool[b, T, slots]
+            near = _in_window(positions, jnp.arange(slots)[None, :], W)  # bool[b, T, slots]
             committed = committed & near[:, None, None]  # bool[b, 1, 1, T, slots]
         scores = jnp.where(committed, scores.reshape(B, Hkv, G, T, slots), _MASKED)
         probs = jax.nn.softmax(jnp.concatenate([scores, new_scores], axis=-1), axis=-1).astype(v_old.dtype)
@@ -350,7 +350,13 @@ def visibility_mask(lengths: jax.Array, num_new: int, max_len: int, tree_mask: j
         return visible
     new_at = jnp.take_along_axis(positions, jnp.clip(rel, 0, num_new - 1), axis=1)  # [B, S]
     key_position = jnp.where(rel < 0, jnp.arange(max_len)[None, :], new_at)  # [B, S]
-    return visible & (key_position[:, None, :] > positions[:, :, None] - window)
+    return visible & _in_window(positions, key_position, window)
+
+
+def _in_window(query_positions: jax.Array, key_positions: jax.Array, window: int) -> jax.Array:
+    """bool[B, T, S]: is key s fewer than `window` positions behind query t? (transformers' sliding window rule,
+    kv > q - window; causality is the caller's mask). query_positions i32[B, T], key_positions i32[B or 1, S]."""
+    return key_positions[:, None, :] > query_positions[:, :, None] - window
 
 
 class Llama(nnx.Module):
