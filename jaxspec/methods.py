@@ -19,6 +19,7 @@ from flax import nnx
 from .decode import NoProposer
 from .graphdefs import hashed
 from .models.corpus import load_corpus, shipped_corpus_path
+from .models.eagle3_files import is_reference_eagle3, load_reference_eagle3
 from .models.heads import Readout, draft_vocab_path, load_draft_vocab, load_head, named_head_path
 from .models.loading import LanguageModel
 from .proposers.base import Proposer
@@ -165,8 +166,11 @@ _HEADS: dict = {}  # (path, modification time, target config) -> (graphdef, para
 
 
 def _head_file(lm: LanguageModel, spec) -> Path:
-    """The head file `spec` runs: its `head_path` (.safetensors appended when missing), or the one shipped for `lm`."""
+    """The head file `spec` runs: its `head_path` (.safetensors appended when missing; an EAGLE-3 drafter's
+    directory in its authors' layout as it is), or the one shipped for `lm`."""
     path = Path(spec.head_path) if spec.head_path is not None else named_head_path(lm.name, get(spec.method).head)
+    if is_reference_eagle3(path):
+        return path
     if path.suffix != ".safetensors":
         path = path.with_name(path.name + ".safetensors")
     if not path.exists():
@@ -178,9 +182,10 @@ def trained_head(lm: LanguageModel, spec) -> tuple[Any, Any, dict]:
     """(graphdef, params, metadata) of the head `spec` runs: its `head_path`, or the one shipped for `lm`."""
     kind = get(spec.method).head
     path = _head_file(lm, spec)
-    key = (str(path.resolve()), path.stat().st_mtime_ns, lm.config)
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    key = (str(path.resolve()), tuple(f.stat().st_mtime_ns for f in files), lm.config)
     if key not in _HEADS:
-        head, meta = load_head(path, lm.config)
+        head, meta = load_reference_eagle3(path, lm.config) if path.is_dir() else load_head(path, lm.config)
         graphdef, params = nnx.split(head)
         _HEADS[key] = (hashed(graphdef), params, meta)  # the proposer holding it is a static jit argument
     meta = _HEADS[key][2]
@@ -234,7 +239,12 @@ def draft_readout(lm: LanguageModel, spec) -> Readout:
 def _build_head(lm, spec, shapes):
     check_target(lm, spec.method)
     graphdef, head_params, meta = trained_head(lm, spec)
-    params = {"head": head_params, "readout": draft_readout(lm, spec)}
+    target_readout = draft_readout(lm, spec)
+    readout = nnx.merge(graphdef, head_params).draft_readout(target_readout)
+    if spec.draft_vocab is not None and readout.lm_head is not target_readout.lm_head:
+        raise ValueError(f"draft_vocab={spec.draft_vocab} does not apply to head_path={spec.head_path!r}: that "
+                         f"drafter scores its own draft vocabulary of {readout.lm_head.shape[1]} tokens")
+    params = {"head": head_params, "readout": readout}
     k = spec.num_speculative_tokens
     if spec.method == "medusa":
         return MedusaProposer(k, graphdef, medusa_topology(meta, k)), params

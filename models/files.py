@@ -88,8 +88,11 @@ def json_object(value: Any, source: str) -> dict:
 # Safetensors dtype -> numpy dtype. Weights must be one of the float ones; the rest are named in errors only.
 FLOAT_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
                 "BF16": np.dtype(ml_dtypes.bfloat16)}
-_OTHER_DTYPES = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-                 "F8_E4M3": 1, "F8_E5M2": 1}
+# Integer and boolean tensors: index maps beside the weights (an EAGLE-3 drafter's draft-to-target ids).
+INTEGER_DTYPES = {"I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
+                  "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32),
+                  "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+_OTHER_DTYPES = {**{name: dtype.itemsize for name, dtype in INTEGER_DTYPES.items()}, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 class SafetensorsFile:
@@ -172,6 +175,17 @@ class SafetensorsFile:
         arr = arr.astype(np.float32) if dtype == "BF16" else np.array(arr)  # a copy: the map is closed after
         check_finite(arr, f"{self.source}: tensor {name!r}")
         return arr
+
+    def read_integers(self, name: str) -> np.ndarray:
+        """The integer or boolean tensor `name`, as int64; FileError when it has another dtype."""
+        dtype = self.dtypes[name]
+        if dtype not in INTEGER_DTYPES:
+            raise FileError(f"{self.source}: tensor {name!r} has dtype {dtype}; integers are expected")
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        shape = self.shapes[name]
+        arr = np.frombuffer(self._map, INTEGER_DTYPES[dtype], math.prod(shape), self._data_start + self._offsets[name])
+        return arr.reshape(shape).astype(np.int64)
 
     def close(self) -> None:
         self._map = None

@@ -16,6 +16,8 @@ blocks of D x D; EAGLE: one fc plus one decoder layer) and ships inside the repo
   layers' outputs (low, middle, high: `eagle3_layers`), each RMS-normed and projected together to D. Its output
   is not regressed onto any target feature: it is trained only to predict tokens, through steps 2..N of its
   own drafting as well ("training-time test"), and fed back as the next step's feature.
+- `ReferenceEagle3Head`: the EAGLE-3 authors' drafter, whose checkpoints vLLM and SGLang serve
+  (`jaxspec.models.eagle3_files` reads and writes their layout); trainable here as well.
 
 Heads are saved as one safetensors file (float16, half the bytes; the maths runs in float32) plus JSON
 metadata, and the ones trained for a named model are found by name (`named_head_path`). A frequency ranking of
@@ -41,7 +43,7 @@ from jaxspec.target import check_config, check_readout
 
 from .config import ModelConfig
 from .files import REQUIRED, FileError, SafetensorsFile, describe, field, json_object, read_json
-from .llama import DecoderLayer, RMSNorm, _dense_init, visibility_mask
+from .llama import MLP, Attention, DecoderLayer, RMSNorm, _dense_init, visibility_mask
 from .rope import rope_tables
 
 HeadKind = Literal["medusa", "eagle", "eagle3"]
@@ -60,6 +62,11 @@ class Readout:
     embed: jax.Array  # [V, D]
     lm_head: jax.Array  # [D, V], or [D, N] over a draft vocabulary
     ids: jax.Array | None = None  # i32[N] the target id of each lm_head column; None: column j is id j
+    # [D] the scale of an RMS norm applied to features before the LM head: set for a drafter whose features are
+    # its residual stream before the final norm (an EAGLE-3 drafter in its authors' layout), None for features
+    # that are already normed, as the target's final hidden states are.
+    norm: jax.Array | None = None
+    norm_eps: float = flax.struct.field(pytree_node=False, default=1e-6)
 
     @classmethod
     def of(cls, target_params) -> "Readout":
@@ -76,6 +83,9 @@ class Readout:
         """f32[..., V] (f32[..., N] when restricted) from features [..., D], as the target's own LM head computes
         them."""
         rows = features.reshape(-1, features.shape[-1])
+        if self.norm is not None:
+            rows = rows.astype(jnp.float32)
+            rows = rows * jax.lax.rsqrt(jnp.mean(rows * rows, axis=-1, keepdims=True) + self.norm_eps) * self.norm
         out = jnp.dot(rows, self.lm_head, preferred_element_type=jnp.float32)
         return out.reshape(features.shape[:-1] + (out.shape[-1],))
 
@@ -108,6 +118,10 @@ class MedusaHeads(nnx.Module):
         self.w = nnx.Param(jnp.zeros((num_heads, d, d), jnp.float32))  # [M, D_out, D_in]
         self.b = nnx.Param(jnp.zeros((num_heads, d), jnp.float32))  # [M, D]
 
+    def draft_readout(self, target: Readout) -> Readout:
+        """The readout the heads' features are scored through: the target's `target`, as it is."""
+        return target
+
     def __call__(self, hidden: jax.Array) -> jax.Array:
         """Features [..., M, D] from the target's final hidden states [..., D]."""
         h = hidden.astype(jnp.float32)
@@ -132,6 +146,11 @@ class EagleHead(nnx.Module):
         """The feature [..., D] the head reads at a committed position from what the target gives there: its
         final hidden state [..., D], as it is."""
         return features
+
+    def draft_readout(self, target: Readout) -> Readout:
+        """The readout this head's outputs are scored and its tokens embedded through: the target's `target`
+        (whole, or restricted to a draft vocabulary), since the head predicts the target's normed features."""
+        return target
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         cfg = self.cfg
@@ -196,15 +215,95 @@ class Eagle3Head(EagleHead):
         return (rows @ self.fuse[...].T).reshape(features.shape[:-1] + (d,))
 
 
+class ReferenceEagle3Head(nnx.Module):
+    """The EAGLE-3 authors' drafter (`LlamaForCausalLMEagle3`, as SpecForge trains it and vLLM and SGLang serve
+    it), so its checkpoints run here and heads trained here run there (`jaxspec.models.eagle3_files`).
+
+    Where `Eagle3Head` normalises each target layer and fuses [embedding; feature] before a standard decoder layer,
+    this drafter projects the raw concatenated layers (`fc`, no bias), and its one layer attends over
+    [input_norm(embedding); hidden_norm(feature)] (2D wide) while its residual stream is the feature itself
+    (`norm_before_residual`: the normed feature). Its output, fed back as the next step's feature, is that
+    residual stream before the final norm; the norm belongs to its readout (`draft_readout`), which scores the
+    draft's own LM head over its draft vocabulary (`lm_head`, `ids`), or the target's when it has none.
+    """
+
+    feature_layers: tuple[int, ...]
+
+    def __init__(self, cfg: ModelConfig, feature_layers: tuple[int, ...], *, target_hidden: int,
+                 draft_vocab: int | None = None, own_embedding: bool = False, norm_before_residual: bool = False,
+                 rngs: nnx.Rngs):
+        """`cfg`: the drafter layer's own config (its vocab_size the target's); `target_hidden`: the target's
+        width D_t; `draft_vocab` N: an LM head of its own over N target ids (None: the target's is used);
+        `own_embedding`: a token embedding of its own (else the target's)."""
+        if not feature_layers:
+            raise ValueError("feature_layers must name at least one target layer")
+        d, n = cfg.hidden_size, len(feature_layers)
+        self.cfg = dataclasses.replace(cfg, dtype="float32", qk_norm=False, sliding_window=None)
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        self.norm_before_residual = norm_before_residual
+        self.fc = _dense_init(rngs, (d, n * target_hidden), jnp.float32)  # [D, L*D_t]
+        self.input_norm = RMSNorm(d, cfg.rms_norm_eps, jnp.float32)  # the token embedding's
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, jnp.float32)  # the feature's
+        self.attn = Attention(self.cfg, rngs, in_features=2 * d)
+        self.post_attention_norm = RMSNorm(d, cfg.rms_norm_eps, jnp.float32)
+        self.mlp = MLP(self.cfg, rngs)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, jnp.float32)
+        self.lm_head = None if draft_vocab is None else _dense_init(rngs, (d, draft_vocab), jnp.float32)  # [D, N]
+        # i32[N] the target id of each lm_head column (the checkpoints' d2t map, added to the column index).
+        self.ids = None if draft_vocab is None else nnx.Variable(jnp.arange(draft_vocab, dtype=jnp.int32))
+        self.embed = _dense_init(rngs, (cfg.vocab_size, d), jnp.float32) if own_embedding else None  # [V, D]
+
+    def target_features(self, features: jax.Array) -> jax.Array:
+        """The feature [..., D] from the target's chosen layers' outputs, concatenated [..., L*D_t]."""
+        rows = features.astype(jnp.float32).reshape(-1, features.shape[-1])
+        return (rows @ self.fc[...].T).reshape(features.shape[:-1] + (self.fc.shape[0],))
+
+    def draft_readout(self, target: Readout) -> Readout:
+        """This drafter's readout: its final norm, then its own LM head and ids (or the target's), and its own
+        token embedding (or the target's)."""
+        readout = target.replace(norm=self.norm.weight[...], norm_eps=self.norm.eps)
+        if self.lm_head is not None:
+            readout = readout.replace(lm_head=self.lm_head[...], ids=self.ids[...])
+        if self.embed is not None:
+            readout = readout.replace(embed=self.embed[...])
+        return readout
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache.create(num_layers=1, batch=batch, num_kv_heads=cfg.num_kv_heads, max_len=max_len,
+                              head_dim=cfg.head_dim, dtype=jnp.float32)
+
+    def __call__(self, embeds, features, positions, cache: KVCache, *, write_at=None, visible=None):
+        """As `EagleHead.__call__`: embeds and features [B, T, D], positions i32[B, T]; returns the next features
+        [B, T, D] (the residual stream before the final norm) and the cache with the new K/V written."""
+        B, T, D = embeds.shape
+        write_at = cache.lengths if write_at is None else write_at
+        if visible is None:
+            visible = visibility_mask(write_at, T, cache.max_len)
+        feature = features.astype(jnp.float32)
+        normed = self.hidden_norm(feature)
+        residual = normed if self.norm_before_residual else feature  # [B, T, D]
+        x = jnp.concatenate([self.input_norm(embeds.astype(jnp.float32)), normed], axis=-1)  # [B, T, 2D]
+        cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
+        attn_out, k, v = self.attn(x, cos, sin, cache.k[0], cache.v[0], write_at, visible, "xla", None)
+        residual = residual + attn_out
+        return residual + self.mlp(self.post_attention_norm(residual)), cache.replace(k=(k,), v=(v,))
+
+
 # --------------------------------------------------------------------------------------------
 # files
 # --------------------------------------------------------------------------------------------
 
 
+EAGLE3_ARCHITECTURES = ("fused", "reference")  # Eagle3Head, ReferenceEagle3Head
+
+
 def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int = 0,
-             feature_layers: tuple[int, ...] | None = None):
+             feature_layers: tuple[int, ...] | None = None, architecture: str = "fused"):
     """A freshly initialised head of `kind` for a target of config `cfg` (ValueError naming a field it lacks).
-    An eagle3 head fuses `feature_layers` (default `eagle3_layers(cfg.num_layers)`)."""
+    An eagle3 head fuses `feature_layers` (default `eagle3_layers(cfg.num_layers)`); its `architecture` is
+    jaxspec's "fused" `Eagle3Head` or the EAGLE-3 authors' "reference" drafter (`ReferenceEagle3Head`, sharing
+    the target's LM head)."""
     if kind == "medusa":
         check_config(cfg, "medusa")  # the heads are sized from cfg.hidden_size
         return MedusaHeads(cfg, num_heads)
@@ -214,6 +313,10 @@ def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int 
     if kind == "eagle3":
         check_config(cfg, "eagle3")
         layers = eagle3_layers(cfg.num_layers) if feature_layers is None else tuple(feature_layers)
+        if architecture == "reference":
+            return ReferenceEagle3Head(cfg, layers, target_hidden=cfg.hidden_size, rngs=nnx.Rngs(seed))
+        if architecture != "fused":
+            raise ValueError(f"architecture={architecture!r} must be one of {EAGLE3_ARCHITECTURES}")
         return Eagle3Head(cfg, layers, rngs=nnx.Rngs(seed))
     raise ValueError(f"head kind={kind!r} must be 'medusa', 'eagle' or 'eagle3'")
 
@@ -248,13 +351,14 @@ def check_shapes(given: dict[str, tuple[int, ...]], needed_shapes: dict[str, tup
 
 
 def fill_params(state: nnx.State, values: dict[str, Any], *, source: str, needed: str) -> None:
-    """Write `values` ({dotted name: array}, as `flat_params` gives) into `state` in place, as float32 copies;
-    ValueError naming `source` and the names missing, unexpected or of other shapes than `needed` has."""
+    """Write `values` ({dotted name: array}, as `flat_params` gives) into `state` in place, as copies of the
+    state's dtypes (float32 weights, integer id maps); ValueError naming `source` and the names missing,
+    unexpected or of other shapes than `needed` has."""
     flat = _flat(state)
     check_shapes({name: tuple(v.shape) for name, v in values.items()},
                  {name: tuple(var[...].shape) for name, var in flat.items()}, source=source, needed=needed)
     for name, var in flat.items():
-        var[...] = jnp.array(values[name], jnp.float32)  # a copy: a train step donates its state's buffers
+        var[...] = jnp.array(values[name], var[...].dtype)  # a copy: a train step donates its state's buffers
 
 
 def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any] | None = None) -> Path:
@@ -268,6 +372,11 @@ def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any
     meta = {"kind": kind, "num_heads": getattr(head, "num_heads", None), **(metadata or {})}
     if getattr(head, "feature_layers", ()):
         meta["feature_layers"] = list(head.feature_layers)
+    if isinstance(head, ReferenceEagle3Head):
+        if head.lm_head is not None or head.embed is not None or head.norm_before_residual:
+            raise ValueError("a drafter with its own LM head or embedding is saved in its authors' layout "
+                             "(jaxspec.models.eagle3_files.save_reference_eagle3)")
+        meta["architecture"] = "reference"
     path.with_suffix(".json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return path
 
@@ -275,8 +384,9 @@ def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any
 HEAD_KINDS = ("medusa", "eagle", "eagle3")
 
 
-def _head_settings(meta: Any, cfg: ModelConfig, source: str) -> tuple[HeadKind, int, tuple[int, ...] | None]:
-    """(kind, num_heads, feature_layers) from a head's metadata, each field checked for this target."""
+def _head_settings(meta: Any, cfg: ModelConfig, source: str) -> tuple[HeadKind, int, tuple[int, ...] | None, str]:
+    """(kind, num_heads, feature_layers, architecture) from a head's metadata, each field checked for this
+    target."""
     meta = json_object(meta, source)
     kind = field(meta, "kind", "str", source)
     if kind not in HEAD_KINDS:
@@ -291,7 +401,11 @@ def _head_settings(meta: Any, cfg: ModelConfig, source: str) -> tuple[HeadKind, 
             raise FileError(f"{source}: field 'feature_layers' must list distinct decoder layers of this "
                             f"{cfg.num_layers}-layer model; got {describe(layers)}")
         layers = tuple(layers)
-    return kind, num_heads if kind == "medusa" else 1, layers if kind == "eagle3" else None
+    architecture = field(meta, "architecture", "str", source, "fused")
+    if architecture not in EAGLE3_ARCHITECTURES or (architecture != "fused" and kind != "eagle3"):
+        raise FileError(f"{source}: field 'architecture'={describe(architecture)} must be one of "
+                        f"{EAGLE3_ARCHITECTURES} for an eagle3 head, absent otherwise")
+    return kind, num_heads if kind == "medusa" else 1, layers if kind == "eagle3" else None, architecture
 
 
 def load_head(path: str | Path, cfg: ModelConfig):
@@ -312,18 +426,20 @@ def load_head(path: str | Path, cfg: ModelConfig):
         raise FileError(f"head metadata {str(meta_path)!r} does not exist (save_head writes it beside "
                         f"{path.name!r})")
     meta = read_json(meta_path, "head metadata")
-    kind, num_heads, layers = _head_settings(meta, cfg, f"head metadata {str(meta_path)!r}")
+    kind, num_heads, layers, architecture = _head_settings(meta, cfg, f"head metadata {str(meta_path)!r}")
     weights = SafetensorsFile(path, "head file")
     weights.check_float()
     needed = f"a {kind} head for this model (hidden_size={cfg.hidden_size}"
     needed += f", num_heads={num_heads})" if kind == "medusa" else ")"
-    abstract = nnx.eval_shape(lambda: new_head(kind, cfg, num_heads=num_heads, feature_layers=layers))
+    def build():
+        return new_head(kind, cfg, num_heads=num_heads, feature_layers=layers, architecture=architecture)
+
+    abstract = nnx.eval_shape(build)
     shapes = {name: tuple(var.get_value().shape) for name, var in _flat(nnx.state(abstract)).items()}
     check_shapes(weights.shapes, shapes, source=weights.source, needed=needed)
     values = {name: weights.read(name) for name in shapes}
     weights.close()
-    head = new_head(kind, cfg, num_heads=num_heads, feature_layers=layers)
-    graphdef, state = nnx.split(head)
+    graphdef, state = nnx.split(build())
     fill_params(state, values, source=weights.source, needed=needed)
     return nnx.merge(graphdef, state), meta
 

@@ -81,12 +81,16 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions over the KV cache (fused q/k/v projection)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmul: MatmulImpl | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmul: MatmulImpl | None = None,
+                 in_features: int | None = None):
         dt = cfg.jnp_dtype
         self.cfg = cfg
         self.matmul = matmul or default_impl()  # static: part of the graphdef, so each path compiles apart
         qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv = _dense_init(rngs, (qkv_width, cfg.hidden_size), dt)  # [(H + 2 Hkv) hd, D]
+        # The input width is the residual stream's, D, except in an EAGLE-3 drafter's layer, which attends over
+        # [embedding; feature] (2D) and adds its output to a D-wide residual.
+        in_features = cfg.hidden_size if in_features is None else in_features
+        self.qkv = _dense_init(rngs, (qkv_width, in_features), dt)  # [(H + 2 Hkv) hd, D_in]
         self.qkv_bias = nnx.Param(jnp.zeros((qkv_width,), dt)) if cfg.attention_bias else None
         self.o = _dense_init(rngs, (cfg.hidden_size, cfg.num_heads * cfg.head_dim), dt)  # [D, H hd]
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
