@@ -40,8 +40,9 @@ GEN = GenerationSettings(gen_tokens=24, gen_batch=4)
 LAYERS = (0, 1)  # the tiny model's two decoder layers, recorded for EAGLE-3
 TASKS = {"eagle": EagleTask(context=4, noise=0.05), "medusa": MedusaTask(num_heads=3),
          "eagle-unrolled": EagleTask(context=4, noise=0.05, unroll=3, unroll_decay=0.8),
-         "eagle3": Eagle3Task(context=4, unroll=2)}
-LR = {"eagle": 3e-3, "medusa": 2e-2, "eagle-unrolled": 3e-3, "eagle3": 3e-3}
+         "eagle3": Eagle3Task(context=4, unroll=2),
+         "eagle3-reference": Eagle3Task(context=4, unroll=2, architecture="reference")}
+LR = {"eagle": 3e-3, "medusa": 2e-2, "eagle-unrolled": 3e-3, "eagle3": 3e-3, "eagle3-reference": 3e-3}
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -64,7 +65,7 @@ def layer_data(tiny_lm, tmp_path_factory) -> SelfDistillData:
 
 
 def _data_for(kind: str, request) -> SelfDistillData:
-    return request.getfixturevalue("layer_data" if kind == "eagle3" else "data")
+    return request.getfixturevalue("layer_data" if kind.startswith("eagle3") else "data")
 
 
 @pytest.fixture(scope="module")
@@ -230,14 +231,14 @@ def runs(tiny_lm, request, readout, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-unrolled", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-unrolled", "eagle3", "eagle3-reference"])
 def test_loss_falls(runs, kind):
     result = runs(kind)
     losses = [h["loss"] for h in result.history]
     assert len(losses) == 40 and np.all(np.isfinite(losses))
     # EAGLE-3's loss is the token loss alone, whose floor is the target's entropy (near log V for this random
     # target): what falls is its excess over that floor, the KL.
-    falling = [h["kl"] for h in result.history] if kind == "eagle3" else losses
+    falling = [h["kl"] for h in result.history] if kind.startswith("eagle3") else losses
     assert np.mean(falling[-5:]) < 0.85 * np.mean(falling[:5])
 
 
@@ -263,13 +264,15 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(runs, kind, tiny_lm, da
     assert restarted.resumed_from is None and restarted.step == 3
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle3", "eagle3-reference"])
 def test_export_round_trip_gives_the_same_predictions(runs, kind, tiny_lm, request, readout, tmp_path):
     result = runs(kind)
     data = _data_for(kind, request)
-    path = save_head(tmp_path / "head", result.head, kind=kind, metadata={"steps": result.step, "model": "tiny"})
+    path = save_head(tmp_path / "head", result.head, kind=TASKS[kind].kind,
+                     metadata={"steps": result.step, "model": "tiny"})
     loaded, meta = load_head(path, tiny_lm.config)
-    assert meta["steps"] == 40 and meta["kind"] == kind
+    assert meta["steps"] == 40 and meta["kind"] == TASKS[kind].kind
+    assert type(loaded) is type(result.head)
     assert tuple(meta.get("feature_layers", ())) == tuple(getattr(result.head, "feature_layers", ()))
     # Files hold float16: the loaded head equals the trained one with its parameters rounded to float16.
     graphdef, params = nnx.split(result.head)
@@ -404,6 +407,36 @@ def test_evaluation_summaries(runs, kind, data, readout):
         metric = [loss(b) for b in Batches(data, _spec(task), 4).in_order()]
         right = sum(float(m["accuracy"]) * float(m["tokens"]) for m in metric)
         assert probs[0, 0] == pytest.approx(right / summary["scored_positions"], abs=1e-4)
+
+
+def test_a_reference_drafter_moves_to_its_authors_layout_and_back(runs, tiny_lm, layer_data, readout, tmp_path):
+    """A drafter of the EAGLE-3 authors' architecture trained here is written in the layout vLLM and SGLang load
+    (float32: exactly), loads back scoring every window alike, and drafts losslessly from that directory, over
+    the whole vocabulary or a draft vocabulary of the first ids."""
+    from jaxspec.models.eagle3_files import load_reference_eagle3, save_reference_eagle3
+
+    trained = runs("eagle3-reference").head
+    task = TASKS["eagle3-reference"]
+    batch = Batches(layer_data, _spec(task), 4).batch(0)
+    want = _jitted(lambda h, b: task.eval_counts(h, readout, b), trained)(batch)
+    directory = save_reference_eagle3(tmp_path / "drafter", trained, readout)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 97
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in trained.feature_layers]
+    loaded, meta = load_reference_eagle3(directory, tiny_lm.config)
+    assert meta["feature_layers"] == list(trained.feature_layers)
+    np.testing.assert_array_equal(np.asarray(loaded.lm_head[...]), np.asarray(readout.lm_head))
+    got = _jitted(lambda h, b: task.eval_counts(h, readout, b), loaded)(batch)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+    prompts = _prompts(7, 2)
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=12)
+    small = save_reference_eagle3(tmp_path / "small", trained, readout.restrict(np.arange(64)), dtype="bfloat16")
+    for path in (directory, small):
+        out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=12,
+                               spec=jaxspec.SpecConfig(method="eagle3", head_path=str(path), cost_aware=False))
+        assert out.token_ids == plain.token_ids
+        assert out.stats.drafted > 0 and out.stats.mean_acceptance_length > 1.0, out.stats
 
 
 def test_measured_acceptance_scores_the_whole_default_draft(tiny_lm, head_files, tmp_path, monkeypatch):

@@ -27,9 +27,10 @@ def eagle_counts(head: EagleHead, readout: Readout, batch: Batch, *, depth: int)
     T = batch.inputs.shape[1]
     target = jnp.argmax(readout.logits(batch.features[:, 1:T + 1].astype(jnp.float32)), -1)  # [B, T]: x_{j+2}
     ok = batch.inputs & batch.label_ok[:, 1:T + 1]  # [B, T]
+    draft = head.draft_readout(readout)
     counts, valid, prefix = {}, ok, None
     for s, pred in enumerate(eagle_chains(head, readout, batch, depth=depth), start=1):
-        right = jnp.argmax(readout.logits(pred), -1) == target
+        right = draft.token_ids(jnp.argmax(draft.logits(pred), -1)) == target
         if s > 1:  # the chain's start and every label along it must count
             valid = shift(valid, False) & ok
             prefix = shift(prefix, False) & right

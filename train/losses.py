@@ -50,7 +50,7 @@ def eagle_chains(head: EagleHead, readout: Readout, batch: Batch, *, depth: int,
     own pairs of steps 2..s: the slots drafting writes.
     """
     B, T = batch.inputs.shape
-    embeds = readout.embed_tokens(batch.tokens[:, 1:T + 1])  # [B, T, D]
+    embeds = head.draft_readout(readout).embed_tokens(batch.tokens[:, 1:T + 1])  # [B, T, D]
     slots = jnp.arange(depth * T)
     block, col = slots // T, slots % T  # [S]
     j = jnp.arange(T)[:, None]  # [T, 1]
@@ -97,12 +97,13 @@ def eagle_loss(head: EagleHead, readout: Readout, batch: Batch, key: jax.Array, 
     target_tokens = jnp.argmax(target_logits, -1)  # [B, T]
     ok = batch.inputs & batch.label_ok[:, 1:T + 1]  # [B, T]
 
+    draft = head.draft_readout(readout)  # the target's, or (a reference EAGLE-3 drafter) behind its own norm
     loss, per_step, mask = 0.0, [], ok
     for s, pred in enumerate(eagle_chains(head, readout, batch, depth=unroll, first=f_in), start=1):
         if s > 1:
             mask = shift(mask, False) & ok
         reg = jnp.mean(optax.huber_loss(pred, f_next, delta=1.0), axis=-1)  # [B, T]
-        logits = readout.logits(pred)  # f32[B, T, V]
+        logits = draft.logits(pred)  # f32[B, T, V]
         cls = optax.softmax_cross_entropy(logits, target_probs)  # [B, T]
         step_loss = _masked_mean(w_reg * reg + w_cls * cls, mask)
         loss = loss + unroll_decay ** (s - 1) * step_loss
