@@ -147,7 +147,6 @@ def load_reference_eagle3(directory: str | Path, target: ModelConfig) -> tuple[R
     check_shapes(given, needed, source=weights.source, needed="the drafter its config.json describes")
     values = {name: weights.read(tensors[name]) for name in needed if name != "d2t"}
     ids = np.arange(draft_vocab) + weights.read_integers(tensors["d2t"])
-    weights.close()
     if ids.min() < 0 or ids.max() >= target.vocab_size or len(np.unique(ids)) != len(ids):
         raise FileError(f"{weights.source}: d2t maps draft ids to target ids outside [0, {target.vocab_size}) or "
                         f"to one id twice")

@@ -152,7 +152,6 @@ class SafetensorsFile:
                 raise FileError(f"{self.source} is truncated: tensor {name!r} ({dtype}{shape}) ends at byte {end} of "
                                 f"the data, which holds {data_size} bytes")
             self.shapes[name], self.dtypes[name], self._offsets[name] = tuple(shape), dtype, begin
-        self._map = None
 
     def check_float(self) -> None:
         """FileError naming every tensor whose dtype is not a float one (weights are floats)."""
@@ -161,18 +160,27 @@ class SafetensorsFile:
             raise FileError(f"{self.source} holds tensors of non-float dtypes, where float weights are expected: "
                             f"{describe(bad, 200)}")
 
+    def _read_raw(self, name: str, dtype: np.dtype) -> np.ndarray:
+        """Tensor `name`'s bytes as an array of `dtype`, read into memory of its own. A read rather than a memory
+        map: mapped pages stay resident (and counted) while the map lives, so a load through a map holds the
+        whole file beside the model it fills; a read holds one tensor."""
+        shape = self.shapes[name]
+        arr = np.empty(shape, dtype)
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start + self._offsets[name])
+            got = f.readinto(memoryview(arr.reshape(-1).view(np.uint8)))
+        if got != arr.nbytes:  # the file shrank after its header was checked
+            raise FileError(f"{self.source} is truncated: tensor {name!r} has {got} of its {arr.nbytes} bytes")
+        return arr
+
     def read(self, name: str) -> np.ndarray:
         """The tensor `name` (float16, float32 or float64; bfloat16 widened to float32), read from the file;
         FileError when it is not float or holds a NaN or an infinity."""
         dtype = self.dtypes[name]
         if dtype not in FLOAT_DTYPES:
             raise FileError(f"{self.source}: tensor {name!r} has dtype {dtype}; float weights are expected")
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        shape = self.shapes[name]
-        arr = np.frombuffer(self._map, FLOAT_DTYPES[dtype], math.prod(shape), self._data_start + self._offsets[name])
-        arr = arr.reshape(shape)
-        arr = arr.astype(np.float32) if dtype == "BF16" else np.array(arr)  # a copy: the map is closed after
+        arr = self._read_raw(name, FLOAT_DTYPES[dtype])
+        arr = arr.astype(np.float32) if dtype == "BF16" else arr
         check_finite(arr, f"{self.source}: tensor {name!r}")
         return arr
 
@@ -181,14 +189,7 @@ class SafetensorsFile:
         dtype = self.dtypes[name]
         if dtype not in INTEGER_DTYPES:
             raise FileError(f"{self.source}: tensor {name!r} has dtype {dtype}; integers are expected")
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        shape = self.shapes[name]
-        arr = np.frombuffer(self._map, INTEGER_DTYPES[dtype], math.prod(shape), self._data_start + self._offsets[name])
-        return arr.reshape(shape).astype(np.int64)
-
-    def close(self) -> None:
-        self._map = None
+        return self._read_raw(name, INTEGER_DTYPES[dtype]).astype(np.int64)
 
 
 def check_finite(arr: np.ndarray, where: str) -> None:

@@ -438,7 +438,6 @@ def load_head(path: str | Path, cfg: ModelConfig):
     shapes = {name: tuple(var.get_value().shape) for name, var in _flat(nnx.state(abstract)).items()}
     check_shapes(weights.shapes, shapes, source=weights.source, needed=needed)
     values = {name: weights.read(name) for name in shapes}
-    weights.close()
     graphdef, state = nnx.split(build())
     fill_params(state, values, source=weights.source, needed=needed)
     return nnx.merge(graphdef, state), meta

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +127,10 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     load (`jaxspec.models.config.HF_ARCHITECTURES`); any other is a ValueError naming it.
 
     A Hugging Face directory holds `config.json`, `model.safetensors` or a sharded
-    `model.safetensors.index.json`, and `tokenizer.json`; float32, float16 and bfloat16 tensors are read. With a
-    `mesh` (`jaxspec.sharding.make_mesh`), the parameters are placed on it by `rules` (`LanguageModel.on_mesh`).
+    `model.safetensors.index.json`, and `tokenizer.json`; float32, float16 and bfloat16 tensors are read, one at a
+    time as the model is filled (`ShardedTensors`), so a load holds the model and about one tensor, never a second
+    copy of the checkpoint. With a `mesh` (`jaxspec.sharding.make_mesh`), the parameters are placed on it by
+    `rules` (`LanguageModel.on_mesh`).
 
     A bad file raises a ValueError (`jaxspec.models.files.FileError`) naming the file and what is wrong: a missing
     file, JSON that does not parse (with the position), a config or GGUF metadata field that is missing or of the
@@ -440,11 +443,26 @@ def _read_hf_dir(path: Path, dtype: str):
     where = repr(str(path)) if len(files) > 1 else f"weights file {str(path / files[0])!r}"
     check_tensors(config, {name: shard.shapes[name] for name, shard in shards.items()}, where,
                   {name: f"{name} ({shard.path.name})" for name, shard in shards.items()} if len(files) > 1 else None)
-    weights = {name: shard.read(name) for name, shard in shards.items()}
-    for shard in set(shards.values()):
-        shard.close()
+    weights = ShardedTensors(shards)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return config, weights, tokenizer
+
+
+class ShardedTensors(Mapping):
+    """A checkpoint's tensors by Hugging Face name, each read from its shard when asked for and never kept: a load
+    (`build_module`) holds one tensor at a time beside the model it fills, not a second copy of the checkpoint."""
+
+    def __init__(self, shards: dict[str, SafetensorsFile]):
+        self._shards = shards  # tensor name -> the file holding it
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._shards[name].read(name)
+
+    def __iter__(self):
+        return iter(self._shards)
+
+    def __len__(self) -> int:
+        return len(self._shards)
 
 
 # -------------------------------------------------------------------------------------- expected tensors
@@ -525,8 +543,11 @@ def check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]], sourc
 
 # -------------------------------------------------------------------------------- canonical dict -> module
 
-def build_module(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
-    """Fill an NNX Llama from Hugging Face-named numpy weights ([out, in] matrices)."""
+def build_module(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> Llama:
+    """Fill an NNX Llama from Hugging Face-named numpy weights ([out, in] matrices).
+
+    Each weight is asked for once and let go once it is on the device, so with a mapping that reads on demand
+    (`ShardedTensors`) the load's peak is the model plus about one layer's tensors."""
     module = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), layer_loop="unroll"))  # filled layer by layer
     dt = config.jnp_dtype
     used: set[str] = set()
@@ -546,7 +567,9 @@ def build_module(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
     embed = take("model.embed_tokens.weight")
     assign(module.embed, embed, "model.embed_tokens.weight")
     head = embed if config.tie_word_embeddings and "lm_head.weight" not in weights else take("lm_head.weight")
+    del embed  # [V, D]: the largest tensors; the layers below are filled without them
     assign(module.lm_head, np.ascontiguousarray(head.T), "lm_head.weight")
+    del head
     assign(module.norm.weight, take("model.norm.weight"), "model.norm.weight")
     for i, layer in enumerate(module.layers):
         p = f"model.layers.{i}."
