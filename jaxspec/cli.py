@@ -56,7 +56,8 @@ def generate_parser(prog: str = f"{PROG} generate") -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default: %(default)s)")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1] (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="default: %(default)s")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the model's dtype (default: bfloat16 on a GPU or TPU, float32 on a CPU)")
     return p
 
 

@@ -112,7 +112,14 @@ class LanguageModel:
         return cls(name=name, config=module.cfg, graphdef=graphdef, params=params, tokenizer=tokenizer)
 
 
-def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = "float32", mesh: Mesh | None = None,
+def default_dtype() -> str:
+    """The parameter and activation dtype `load_model` uses unless told: "bfloat16" on accelerators, where it halves
+    the bytes every decode step reads and their matrix units run it natively, and "float32" on a CPU, where
+    bfloat16 products are converted in software and run slower than float32 ones."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | None = None, mesh: Mesh | None = None,
                rules: ShardingRules | None = None, layer_loop: LayerLoop | None = None) -> LanguageModel:
     """Load a named model (see NAMED_MODELS), a `.gguf` file, a Hugging Face directory, or a random-weight model.
 
@@ -142,15 +149,18 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     tensor as it is read (1-2% of a load of the default model).
 
     `layer_loop` ("scan" or "unroll", `jaxspec.models.llama.set_layer_loop`) chooses how the decoder layers run;
-    None takes the platform's default (`default_layer_loop`: unrolled on a CPU, a scan elsewhere).
+    None takes the platform's default (`default_layer_loop`: unrolled on a CPU, a scan elsewhere). `dtype`
+    ("float32" or "bfloat16") is the parameters' and activations' (norms and softmax run in float32 either way);
+    None takes the platform's default (`default_dtype`: bfloat16 on GPUs and TPUs, float32 on a CPU).
     """
     if mesh is None and rules is not None:
         raise ValueError("rules= needs a mesh= to place the parameters on")
     layer_loop = default_layer_loop() if layer_loop is None else layer_loop
     if layer_loop not in ("scan", "unroll"):
         raise ValueError(f"layer_loop={layer_loop!r} must be None, 'scan' or 'unroll'")
+    dtype = default_dtype() if dtype is None else dtype
     if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={dtype!r} must be 'float32' or 'bfloat16'")
+        raise ValueError(f"dtype={dtype!r} must be None, 'float32' or 'bfloat16'")
     key = str(name_or_path)
     if is_random(key):
         lm = _random_model(key, dtype, layer_loop)

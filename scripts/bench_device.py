@@ -115,7 +115,8 @@ def part_cost(args, report: dict) -> str:
 def part_spec(args, report: dict) -> str:
     import bench_heads
 
-    lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
+    # float32, as on the CPU: the heads were trained on float32 features, and the table compares exact tokens.
+    lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL, dtype="float32")
     chosen = [(m, jaxspec.SpecConfig(method=m) if m != "none" else jaxspec.SpecConfig()) for m in SPEC_METHODS]
     settings = argparse.Namespace(new_tokens=args.spec_tokens, repeats=args.spec_repeats, seed=0)
     lines = [f"{args.spec_prompts} held-out prompts after the first {args.spec_skip}, {args.spec_tokens} new tokens, "
@@ -157,7 +158,8 @@ def part_attention(args, report: dict) -> str:
 def part_rollout(args, report: dict) -> str:
     import bench_rollout
 
-    lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
+    # float32, as on the CPU: the heads were trained on float32 features, and the table compares exact tokens.
+    lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL, dtype="float32")
     prompts = workloads.held_out_prompts(lm.tokenizer, args.rollout_prompts)
     common = dict(num_samples=args.rollout_samples, max_new_tokens=args.rollout_tokens,
                   sampling=jaxspec.SamplingParams(temperature=0.7), seed=0, speculation="adaptive",

@@ -170,3 +170,19 @@ def test_checkpoint_shape_mismatch_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"mlp\.gate_proj\.weight is \[112, 64\], the config needs \[128, 64\] "
                                          r"\(intermediate_size, hidden_size\)"):
         jaxspec.load_model(tmp_path)
+
+
+def test_the_default_dtype_is_the_platforms(monkeypatch):
+    """float32 on a CPU (bfloat16 products run in software there); bfloat16 on accelerators, where it halves the
+    bytes a decode step reads. An explicit dtype wins either way."""
+    from jaxspec.models import loading
+
+    assert loading.default_dtype() == "float32"
+    assert jaxspec.load_model("random:smollm2-135m").config.dtype == "float32"
+    monkeypatch.setattr(loading.jax, "default_backend", lambda: "gpu")
+    assert loading.default_dtype() == "bfloat16"
+    lm = jaxspec.load_model("random:smollm2-135m", layer_loop="unroll")
+    assert lm.config.dtype == "bfloat16" and lm.params["embed"][...].dtype == jnp.bfloat16
+    assert jaxspec.load_model("random:smollm2-135m", dtype="float32", layer_loop="unroll").config.dtype == "float32"
+    with pytest.raises(ValueError, match="dtype='float16' must be None, 'float32' or 'bfloat16'"):
+        jaxspec.load_model("random:smollm2-135m", dtype="float16")

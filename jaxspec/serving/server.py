@@ -29,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m",
                    help="a named model, a .gguf file or a Hugging Face directory (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the model's dtype (default: bfloat16 on a GPU or TPU, float32 on a CPU)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
                                                                  memory_bytes=args.constraint_memory_mib << 20),
                               background_compile=args.background_compile)
         policy = make_policy(args.policy, max_active=args.spec_max_active)
-        lm = jaxspec.load_model(args.model)
+        lm = jaxspec.load_model(args.model, dtype=args.dtype)
         if args.mesh is not None:
             from jaxspec.sharding import ShardingRules, make_mesh, parse_mesh
 
