@@ -131,7 +131,8 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | 
     known ones.
 
     A Hugging Face directory's `config.json` names its architecture (`model_type`): Llama, Mistral, Qwen2 and Qwen3
-    load (`jaxspec.models.config.HF_ARCHITECTURES`); any other is a ValueError naming it.
+    load (`jaxspec.models.config.HF_ARCHITECTURES`); any other is a ValueError naming it. A GGUF file's
+    `general.architecture` likewise: llama, qwen2 and qwen3 load; any other is a ValueError naming it.
 
     A Hugging Face directory holds `config.json`, `model.safetensors` or a sharded
     `model.safetensors.index.json`, and `tokenizer.json`; float32, float16 and bfloat16 tensors are read, one at a
@@ -220,6 +221,8 @@ _GGUF_LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -232,9 +235,9 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 # llama.cpp's converter interleaves the rotary halves of Q and K for these architectures only (it uses the
-# GPT-J rotation for them); Qwen2 keeps the Hugging Face layout.
+# GPT-J rotation for them); Qwen2 and Qwen3 keep the Hugging Face layout.
 _PERMUTED_ARCHS = ("llama",)
-_SUPPORTED_ARCHS = ("llama", "qwen2")
+_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 _INT_GGML_TYPES = {gguf.GGMLQuantizationType.I8, gguf.GGMLQuantizationType.I16, gguf.GGMLQuantizationType.I32,
@@ -369,6 +372,7 @@ def gguf_config(reader: gguf.GGUFReader, dtype: str = "float32", *, source: str 
             rope=rope,
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm=arch == "qwen3",
             max_position_embeddings=get("context_length", "int", 8192),
             dtype=dtype,
         )
