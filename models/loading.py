@@ -116,14 +116,15 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str = 
     """Load a named model (see NAMED_MODELS), a `.gguf` file, a Hugging Face directory, or a random-weight model.
 
     `"random:<name>"` (`jaxspec.models.random_shapes.RANDOM_SHAPES`: `random:smollm2-135m`, `random:llama-3.2-1b`,
-    `random:llama-3.1-8b`, `random:qwen3-8b`) builds a model in the shapes of that checkpoint with random weights,
-    drawn on the device in `dtype`: its output is meaningless; it is for measuring step times and memory at real
-    sizes. It carries the default model's tokenizer where the vocabularies match (`random:smollm2-135m`) and none
-    otherwise (prompts are then token ids, and results have no text). An unknown name is a ValueError listing the
-    known ones.
+    `random:llama-3.1-8b`, `random:qwen3-8b`, `random:gemma-3-12b`) builds a model in the shapes of that checkpoint
+    with random weights, drawn on the device in `dtype`: its output is meaningless; it is for measuring step times
+    and memory at real sizes. It carries the default model's tokenizer where the vocabularies match
+    (`random:smollm2-135m`) and none otherwise (prompts are then token ids, and results have no text). An unknown
+    name is a ValueError listing the known ones.
 
-    A Hugging Face directory's `config.json` names its architecture (`model_type`): Llama, Mistral, Qwen2 and Qwen3
-    load (`jaxspec.models.config.HF_ARCHITECTURES`); any other is a ValueError naming it.
+    A Hugging Face directory's `config.json` names its architecture (`model_type`): Llama, Mistral, Qwen2, Qwen3,
+    Gemma 2 and Gemma 3's text decoder load (`jaxspec.models.config.HF_ARCHITECTURES`); any other is a ValueError
+    naming it.
 
     A Hugging Face directory holds `config.json`, `model.safetensors` or a sharded
     `model.safetensors.index.json`, and `tokenizer.json`; float32, float16 and bfloat16 tensors are read. With a
@@ -311,7 +312,10 @@ def gguf_config(reader: gguf.GGUFReader, dtype: str = "float32", *, source: str 
     cannot run, or a metadata field that is missing, mistyped or out of range (naming the field)."""
     arch = _field(reader, "general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise FileError(f"{source}: architecture {describe(arch)} is not supported (supported: {_SUPPORTED_ARCHS})")
+        # llama.cpp's Gemma files hold tensors this reader does not map (norms around each block's output).
+        hint = "; Gemma 2 and Gemma 3 load from Hugging Face directories" if str(arch).startswith("gemma") else ""
+        raise FileError(f"{source}: architecture {describe(arch)} is not supported (supported: {_SUPPORTED_ARCHS})"
+                        f"{hint}")
     meta = _Metadata(reader)
 
     def get(key, kind, *default):
@@ -466,6 +470,10 @@ _BIAS_SHAPES = {
     "self_attn.k_proj.bias": ("num_kv_heads*head_dim",),
     "self_attn.v_proj.bias": ("num_kv_heads*head_dim",),
 }
+_GEMMA_NORM_SHAPES = {  # Gemma's norms before the MLP and on its output (beside the two every layer has)
+    "pre_feedforward_layernorm.weight": ("hidden_size",),
+    "post_feedforward_layernorm.weight": ("hidden_size",),
+}
 _QK_NORM_SHAPES = {
     "self_attn.q_norm.weight": ("head_dim",),
     "self_attn.k_norm.weight": ("head_dim",),
@@ -486,7 +494,7 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     (lm_head.weight included; a tied model may leave it out)."""
     names = dict(_GLOBAL_SHAPES)
     per_layer = {**_LAYER_SHAPES, **(_BIAS_SHAPES if config.attention_bias else {}),
-                 **(_QK_NORM_SHAPES if config.qk_norm else {})}
+                 **(_QK_NORM_SHAPES if config.qk_norm else {}), **(_GEMMA_NORM_SHAPES if config.gemma_norms else {})}
     for i in range(config.num_layers):
         names.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
     return names
@@ -562,9 +570,16 @@ def build_module(config: ModelConfig, weights: dict[str, np.ndarray]) -> Llama:
         gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
         assign(layer.mlp.gate_up, np.concatenate([gate, up], axis=0), p + "mlp.gate_up")
         assign(layer.mlp.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-        assign(layer.input_norm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-        assign(layer.post_attention_norm.weight, take(p + "post_attention_layernorm.weight"),
-               p + "post_attention_layernorm.weight")
+        # Hugging Face's names for a layer's norms: a Llama's second norm is the MLP's input norm
+        # (post_attention_layernorm); a Gemma's is the attention output's, its MLP's input norm pre_feedforward.
+        norms = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+        if config.gemma_norms:
+            norms = {"input_norm": "input_layernorm", "attn_output_norm": "post_attention_layernorm",
+                     "post_attention_norm": "pre_feedforward_layernorm",
+                     "mlp_output_norm": "post_feedforward_layernorm"}
+        for ours, theirs in norms.items():
+            name = f"{p}{theirs}.weight"
+            assign(getattr(layer, ours).weight, take(name), name)
     unused = sorted(set(weights) - used - {"lm_head.weight"})
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
     if unused:
