@@ -8,7 +8,8 @@ Gemma 3), a sliding attention window, which narrows every mask below to the keys
 position, on every layer (Mistral) or on some (`layer_types`: Qwen2 and Qwen3 where configured, Gemma's local
 layers, each kind with its rotary tables), and Gemma's (1 + w) norms, normed block outputs, scaled embeddings,
 GELU gate, attention scale and tanh soft-capping of attention scores and logits (Gemma 2). A window or a cap sends
-attention through XLA: the Pallas kernel's mask has neither.
+attention through XLA: the Pallas kernel's mask has neither (in a scanned stack of mixed layers every layer has a
+window, a full-attention layer's one that hides nothing).
 
 The layer stack runs one of two ways (`layer_loop`, chosen per platform by `default_layer_loop`): "scan", the
 layout JAX users know from MaxText and tpu-inference, where the layers' weights are stacked [L, ...] and one
