@@ -103,23 +103,26 @@ def test_logits_equal_transformers(checkpoint, prompt, layer_loop):
     np.testing.assert_allclose(_jax_logits(lm, prompt), want, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("attention_impl", ["xla", "pallas"])
-def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint, prompt, attention_impl):
+@pytest.mark.parametrize("attention_impl, layer_loop", [("xla", "unroll"), ("pallas", "unroll"), ("xla", "scan")])
+def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint, prompt, attention_impl, layer_loop):
     """Decoding from the cache, one token a step, up to 44 positions (past the window of 7). "pallas" runs the
     verification kernel (interpreted on a CPU) for the architectures that touch it: Qwen3's normed q/k enter it,
     Gemma 3's global layers take it with their own scale, and neither windows (Mistral, Gemma 3's local layers)
     nor Gemma 2's soft-capping are in its mask, so XLA's attention serves those layers instead. (The suite tests
-    the kernel on Llama and Qwen2 shapes elsewhere.)"""
+    the kernel on Llama and Qwen2 shapes elsewhere.) "scan" decodes the models whose layers mix attention kinds
+    with each layer's window and rotary tables scanned beside its weights."""
     name, model, path = checkpoint
     if attention_impl == "pallas" and name not in ("qwen3", "mistral", "gemma3_text", "gemma2"):
         pytest.skip("the kernel on Llama and Qwen2 shapes is tested elsewhere")
+    if layer_loop == "scan" and name not in MIXED:
+        pytest.skip("a scanned stack of layers alike is tested elsewhere (tests/test_layer_loop.py)")
     with torch.no_grad():
         ref = model.generate(torch.tensor(prompt), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
     want = ref.sequences[0, PROMPT:].tolist()
     want_logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(ref.logits, want)]
-    got = jaxspec.generate(load_model(path), [prompt[0].tolist()], max_new_tokens=NEW_TOKENS, logprobs=0,
-                           ignore_eos=True, attention_impl=attention_impl)
+    got = jaxspec.generate(load_model(path, layer_loop=layer_loop), [prompt[0].tolist()], max_new_tokens=NEW_TOKENS,
+                           logprobs=0, ignore_eos=True, attention_impl=attention_impl)
     assert got.token_ids[0] == want
     np.testing.assert_allclose([t.logprob for t in got.logprobs[0]], want_logprobs, atol=2e-4)
 
