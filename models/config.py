@@ -1,4 +1,5 @@
-"""Static description of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 2, Gemma 3 text).
+"""Static description of a Llama-family decoder (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, SmolLM2, Gemma 2,
+Gemma 3 text).
 
 A `ModelConfig` is frozen and hashable: it is part of the compiled program (shapes, layer count, rope
 constants), never a per-request value.
@@ -8,7 +9,8 @@ sliding attention window on every layer (Mistral) or on the layers `layer_types`
 that say so, Gemma's interleaved local and global layers, each kind with its own rotary settings), and Gemma's
 additions: (1 + w) norm scales, norms around each block's output as well as its input, embeddings scaled by
 sqrt(hidden_size), a GELU-gated MLP, its own attention scale (`query_pre_attn_scalar`) and, in Gemma 2, tanh
-soft-capping of the attention scores and the final logits.
+soft-capping of the attention scores and the final logits. Mixtures of experts (Mixtral, Qwen3-MoE) replace every
+layer's MLP by routed experts (`num_experts`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's: SwiGLU's, and Gemma's tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names for a layer's attention kind
 # Hugging Face `model_type`s this decoder implements, each with the `architectures` class its checkpoints name.
-# Anything else (Gemma 1, mixtures of experts, ...) is refused by name rather than run as a Llama.
+# Anything else (Gemma 1, DeepSeek, ...) is refused by name rather than run as a Llama.
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 # A full-attention layer inside a scanned stack of mixed layers attends within this window: wider than any
 # position, so it never hides a key.
@@ -89,6 +92,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: scores scale by its inverse square root; None: head_dim's
     attn_logit_softcapping: float | None = None  # Gemma 2: attention scores become tanh(s / c) * c before the mask
     final_logit_softcapping: float | None = None  # Gemma 2: logits become tanh(l / c) * c
+    # Mixtures of experts (Mixtral, Qwen3-MoE): every layer's MLP is `num_experts` gated experts of
+    # `intermediate_size` hidden units, of which a router runs `experts_per_token` per token; their weights are
+    # renormalised over those k (`normalize_expert_weights`, Mixtral's rule and Qwen3-MoE's `norm_topk_prob`).
+    # 0 experts: one dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    normalize_expert_weights: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -114,6 +124,9 @@ class ModelConfig:
             raise ValueError(f"sliding_rope={self.sliding_rope!r} must be None or a RopeConfig")
         if self.layer_types is not None:
             self._check_layer_types()
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token!r} must be in [1, num_experts="
+                             f"{self.num_experts}]")
 
     def _check_layer_types(self):
         """Validate `layer_types`, keep its first num_layers entries, and fold a single kind into None."""
@@ -190,13 +203,14 @@ class ModelConfig:
         if gemma and field(cfg, "use_bidirectional_attention", "bool", source, False):
             raise FileError(f"{source}: field 'use_bidirectional_attention' is true; this decoder is causal")
         num_layers = field(cfg, "num_hidden_layers", "int", source)
+        num_experts, per_token, normalize, expert_width = _experts(cfg, model_type, num_layers, source)
         try:
             rope, sliding_rope = _ropes(cfg, model_type, source)
             sliding_window, layer_types = _attention_kinds(cfg, model_type, num_layers, source)
             return cls(
                 vocab_size=field(cfg, "vocab_size", "int", source),
                 hidden_size=hidden,
-                intermediate_size=field(cfg, "intermediate_size", "int", source),
+                intermediate_size=expert_width or field(cfg, "intermediate_size", "int", source),
                 num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=field(cfg, "num_key_value_heads", "int", source, heads),
@@ -205,7 +219,7 @@ class ModelConfig:
                 rope=rope,
                 tie_word_embeddings=field(cfg, "tie_word_embeddings", "bool", source, gemma),
                 attention_bias=field(cfg, "attention_bias", "bool", source, model_type == "qwen2"),
-                qk_norm=model_type in ("qwen3", "gemma3_text"),
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
                 sliding_window=sliding_window,
                 layer_types=layer_types,
                 sliding_rope=sliding_rope,
@@ -219,6 +233,9 @@ class ModelConfig:
                 attn_logit_softcapping=_softcap(cfg, "attn_logit_softcapping", model_type == "gemma2", 50.0, source),
                 final_logit_softcapping=_softcap(cfg, "final_logit_softcapping", gemma, 30.0 if model_type == "gemma2"
                                                  else None, source),
+                num_experts=num_experts,
+                experts_per_token=per_token,
+                normalize_expert_weights=normalize,
             )
         except FileError:
             raise
@@ -244,6 +261,34 @@ def _architecture(cfg: dict[str, Any], source: str) -> str:
         raise FileError(f"{source}: architectures {other!r} is not supported for model_type {model_type!r}; "
                         f"jaxspec runs {supported}")
     return model_type
+
+
+def _experts(cfg: dict[str, Any], model_type: str, num_layers: int,
+             source: str) -> tuple[int, int, bool, int | None]:
+    """(num_experts, experts_per_token, normalize_expert_weights, each expert's hidden width) of a mixture of
+    experts; (0, 0, True, None) for a dense model.
+
+    Mixtral names its experts `num_local_experts` and always renormalises the k weights; Qwen3-MoE names them
+    `num_experts` (`num_local_experts` in what transformers 5 writes), its experts' width `moe_intermediate_size`
+    and its rule `norm_topk_prob`. Qwen3-MoE configs whose layers mix dense MLPs and experts (`mlp_only_layers`,
+    `decoder_sparse_step`) are refused: the layer stack is uniform."""
+    from .files import FileError, field
+
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return 0, 0, True, None
+    if model_type == "mixtral":
+        experts = field(cfg, "num_local_experts", "int", source)
+        return experts, field(cfg, "num_experts_per_tok", "int", source), True, None
+    name = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    experts = field(cfg, name, "int", source)
+    step = field(cfg, "decoder_sparse_step", "int", source, 1)
+    dense = field(cfg, "mlp_only_layers", "list", source, [])
+    if experts <= 0 or step != 1 or dense:
+        raise FileError(f"{source}: layers with a dense MLP among the experts' ({name}={experts}, "
+                        f"decoder_sparse_step={step}, mlp_only_layers={dense}) are not supported; every layer "
+                        f"must be a mixture of experts")
+    return (experts, field(cfg, "num_experts_per_tok", "int", source),
+            field(cfg, "norm_topk_prob", "bool", source, False), field(cfg, "moe_intermediate_size", "int", source))
 
 
 def _activation(cfg: dict[str, Any], gemma: bool, source: str) -> str:
@@ -325,7 +370,7 @@ def _attention_kinds(cfg: dict[str, Any], model_type: str, num_layers: int,
                      source: str) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) as `ModelConfig` holds them: the window, and each layer's kind where they mix.
 
-    Mistral windows every layer when `sliding_window` is set. Qwen2 and Qwen3 window only with
+    Mistral and Mixtral window every layer when `sliding_window` is set. Qwen2, Qwen3 and Qwen3-MoE window only with
     `use_sliding_window` true (transformers drops the window otherwise), the layers `layer_types` marks
     "sliding_attention" or, in earlier configs, those from `max_window_layers` on. Gemma windows the layers
     `layer_types` marks, by default every other layer from the first (Gemma 2) or all but every
@@ -334,13 +379,13 @@ def _attention_kinds(cfg: dict[str, Any], model_type: str, num_layers: int,
 
     gemma = model_type in GEMMA
     window = field(cfg, "sliding_window", "int", source, 4096 if gemma else None)
-    if model_type in ("qwen2", "qwen3") and not field(cfg, "use_sliding_window", "bool", source, False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not field(cfg, "use_sliding_window", "bool", source, False):
         return None, None
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         kinds = ["sliding_attention" if window is not None else "full_attention"] * num_layers
     elif "layer_types" in cfg:
         kinds = field(cfg, "layer_types", "list", source)
-    elif model_type in ("qwen2", "qwen3"):
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
         first = field(cfg, "max_window_layers", "int", source, num_layers)
         kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
     elif model_type == "gemma2":

@@ -344,6 +344,59 @@ class MLP(nnx.Module):
         return linear(constrain(hidden, "batch", None, "mlp"), self.down[...], self.matmul)
 
 
+class MoE(nnx.Module):
+    """A mixture of gated experts (Mixtral, Qwen3-MoE): a router scores E experts per token, the k best run, and
+    their outputs are summed weighted by the router's softmax over the k (renormalised to sum to one, or, with
+    `normalize_expert_weights` off, as they are).
+
+    Two exact ways to run them, chosen statically by size: with fewer token-expert pairs than experts (decoding)
+    each token gathers its k experts' weights, so a step reads k experts per token rather than all E; with more
+    (prefill, wide verification) every expert runs on every token and the router's weights, zero outside the k,
+    combine them. The experts' axis is the one tensor parallelism splits (`ShardingRules.experts`): each device
+    holds E / n whole experts."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = cfg.jnp_dtype
+        e, f, d = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
+        self.router = _dense_init(rngs, (e, d), dt)  # [E, D]
+        self.expert_gate_up = _dense_init(rngs, (e, 2 * f, d), dt)  # [E, 2F, D]: each expert's [gate; up] rows
+        self.expert_down = _dense_init(rngs, (e, d, f), dt)  # [E, D, F]
+        self.top_k = cfg.experts_per_token  # static
+        self.normalize = cfg.normalize_expert_weights  # static
+        self.activation = cfg.hidden_act  # static
+
+    def route(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(weights f32[N, k], experts i32[N, k]) for token rows [N, D]: the k experts of highest router
+        probability and their weights."""
+        logits = jnp.dot(rows, self.router[...].T, preferred_element_type=jnp.float32)  # [N, E]
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)
+        if self.normalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights, experts
+
+    def _gated(self, h: jax.Array) -> jax.Array:
+        """act(gate) * up from [..., 2F] rows of [gate; up]."""
+        gate, up = jnp.split(h, 2, axis=-1)
+        return _ACTIVATIONS[self.activation](gate) * up
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]."""
+        rows = x.reshape(-1, x.shape[-1])  # [N, D]
+        weights, experts = self.route(rows)  # [N, k]
+        num_experts = self.router.shape[0]
+        if rows.shape[0] * self.top_k < num_experts:
+            gate_up = jnp.take(self.expert_gate_up[...], experts, axis=0)  # [N, k, 2F, D]
+            h = self._gated(jnp.einsum("nd,nkfd->nkf", rows, gate_up))  # [N, k, F]
+            down = jnp.take(self.expert_down[...], experts, axis=0)  # [N, k, D, F]
+            out = jnp.einsum("nkf,nkdf,nk->nd", h, down, weights.astype(h.dtype))
+        else:
+            h = self._gated(jnp.einsum("nd,efd->nef", rows, self.expert_gate_up[...]))  # [N, E, F]
+            dense = jnp.zeros((rows.shape[0], num_experts), h.dtype)  # [N, E]: zero outside each token's k
+            dense = dense.at[jnp.arange(rows.shape[0])[:, None], experts].set(weights.astype(h.dtype))
+            out = jnp.einsum("nef,edf,ne->nd", h, self.expert_down[...], dense)
+        return out.reshape(x.shape).astype(x.dtype)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm transformer block: attention then MLP, each added to the residual stream. With Gemma's norms each
     block's output is normed too before it is added (4 norms)."""
@@ -353,7 +406,7 @@ class DecoderLayer(nnx.Module):
         self.input_norm = _norm(d, cfg)  # before attention
         self.attn = Attention(cfg, rngs, matmul)
         self.post_attention_norm = _norm(d, cfg)  # before the MLP (Gemma's `pre_feedforward_layernorm`)
-        self.mlp = MLP(cfg, rngs, matmul)
+        self.mlp = MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs, matmul)
         # Gemma: on the attention output (its `post_attention_layernorm`) and the MLP output.
         self.attn_output_norm = _norm(d, cfg) if cfg.gemma_norms else None
         self.mlp_output_norm = _norm(d, cfg) if cfg.gemma_norms else None

@@ -58,8 +58,16 @@ ARCHITECTURES = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
                dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
                     final_logit_softcapping=4.0, eos_token_id=None)),
+    # Mixtures of 4 experts, 2 a token: Mixtral renormalises the two weights, this Qwen3-MoE (norm_topk_prob off)
+    # keeps them as the softmax over all four gave them.
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       norm_topk_prob=False, rope_theta=1e6)),
 }
 MIXED = ("qwen2_windows", "gemma3_text", "gemma2")  # windowed and full-attention layers
+EXPERTS = ("mixtral", "qwen3_moe")  # mixtures of experts
 WINDOWED = ("mistral",) + MIXED
 
 
@@ -94,7 +102,8 @@ def _jax_logits(lm, ids: np.ndarray) -> np.ndarray:
 def test_logits_equal_transformers(checkpoint, prompt, layer_loop):
     name, model, path = checkpoint
     lm = load_model(path, layer_loop=layer_loop)
-    assert lm.config.qk_norm == (name in ("qwen3", "gemma3_text"))
+    assert lm.config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3_text"))
+    assert lm.config.num_experts == (4 if name in EXPERTS else 0)
     assert lm.config.sliding_window == (WINDOW if name in WINDOWED else None)
     assert lm.config.layer_types == (tuple(model.config.layer_types) if name in MIXED else None)
     assert lm.config.gemma_norms == name.startswith("gemma")
@@ -110,11 +119,12 @@ def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint, prompt, atten
     Gemma 3's global layers take it with their own scale, and neither windows (Mistral, Gemma 3's local layers)
     nor Gemma 2's soft-capping are in its mask, so XLA's attention serves those layers instead. (The suite tests
     the kernel on Llama and Qwen2 shapes elsewhere.) "scan" decodes the models whose layers mix attention kinds
-    with each layer's window and rotary tables scanned beside its weights."""
+    with each layer's window and rotary tables scanned beside its weights, and the mixtures of experts, whose
+    stacked experts a scan slices per layer."""
     name, model, path = checkpoint
     if attention_impl == "pallas" and name not in ("qwen3", "mistral", "gemma3_text", "gemma2"):
         pytest.skip("the kernel on Llama and Qwen2 shapes is tested elsewhere")
-    if layer_loop == "scan" and name not in MIXED:
+    if layer_loop == "scan" and name not in MIXED + EXPERTS:
         pytest.skip("a scanned stack of layers alike is tested elsewhere (tests/test_layer_loop.py)")
     with torch.no_grad():
         ref = model.generate(torch.tensor(prompt), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
@@ -196,8 +206,13 @@ def _config(**fields):
      "field 'layer_types' has 1 entries; 'num_hidden_layers' is 2"),
     (_config(model_type="gemma3_text", layer_types=["sliding_attention", "chunked_attention"]),
      r"'layer_types' holds \['chunked_attention'\]"),
-    (_config(model_type="mixtral", architectures=["MixtralForCausalLM"]), "model_type 'mixtral' is not supported"),
-    (_config(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "model_type 'qwen3_moe'"),
+    (_config(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"]),
+     "model_type 'deepseek_v3' is not supported"),
+    (_config(model_type="mixtral", num_experts_per_tok=2), "field 'num_local_experts' is missing"),
+    (_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=5),
+     r"experts_per_token=5 must be in \[1, num_experts=4\]"),
+    (_config(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             mlp_only_layers=[0]), "layers with a dense MLP among the experts'"),
     (_config(model_type="llama", architectures=["LlamaForSequenceClassification"]),
      r"architectures \['LlamaForSequenceClassification'\] is not supported for model_type 'llama'"),
     (_config(model_type="llama", hidden_act="gelu"), r"'hidden_act'='gelu'; this decoder's MLP gates with one of"),
