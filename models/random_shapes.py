@@ -69,6 +69,11 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
                                layer_types=_gemma3_layer_types(48), tie_word_embeddings=True, qk_norm=True,
                                gemma_norms=True, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256.0,
                                max_position_embeddings=131072),
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768 hidden units in every layer, 8 a token (norm_topk_prob), q/k norms.
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=768, num_layers=48,
+                                 num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                                 rope=RopeConfig(theta=1000000.0), tie_word_embeddings=False, qk_norm=True,
+                                 max_position_embeddings=40960, num_experts=128, experts_per_token=8),
 }
 
 
