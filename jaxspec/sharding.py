@@ -3,8 +3,8 @@ batch lives.
 
 jaxspec scales out with JAX's own SPMD: arrays carry a `NamedSharding` over a `Mesh` and the jitted loop is
 partitioned by XLA (GSPMD). A mesh has two axes by default, "data" (rows of the batch and of the KV cache) and
-"model" (tensor parallelism: attention heads, the MLP's hidden units, the vocabulary). `ShardingRules` maps the
-model's logical axes to mesh axes; a rule of None replicates that axis.
+"model" (tensor parallelism: attention heads, the MLP's hidden units or a mixture's experts, the vocabulary).
+`ShardingRules` maps the model's logical axes to mesh axes; a rule of None replicates that axis.
 
     mesh = jaxspec.sharding.make_mesh(data=2, model=4)
     lm = jaxspec.load_model(mesh=mesh, rules=ShardingRules(heads=None))  # SmolLM2's 3 KV heads: keep attention whole
@@ -61,6 +61,7 @@ class ShardingRules:
     heads: str | None = MODEL  # attention heads: q/k/v rows, the output projection's columns, the cache's heads
     mlp: str | None = MODEL  # the MLP's hidden units: gate/up rows, down columns
     vocab: str | None = MODEL  # the embedding's rows, the LM head's columns (and the logits)
+    experts: str | None = MODEL  # a mixture of experts' experts: each device holds whole experts (expert parallel)
 
     def axes(self) -> dict[str, str | None]:
         """{logical axis: mesh axis or None}."""
@@ -99,8 +100,12 @@ def check_rules(mesh: Mesh, rules: ShardingRules, cfg, name: str = "the model") 
         if axis is not None and axis not in mesh.shape:
             raise ValueError(f"rules.{logical}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
     sizes = {"heads": (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)),
-             "mlp": (("intermediate_size", cfg.intermediate_size),),
              "vocab": (("vocab_size", cfg.vocab_size),)}
+    # A mixture of experts splits whole experts, a dense MLP its hidden units.
+    if getattr(cfg, "num_experts", 0):
+        sizes["experts"] = (("num_experts", cfg.num_experts),)
+    else:
+        sizes["mlp"] = (("intermediate_size", cfg.intermediate_size),)
     for logical, fields in sizes.items():
         axis = getattr(rules, logical)
         n = axis_size(mesh, axis)
@@ -136,7 +141,9 @@ def param_spec(path: tuple, ndim: int, rules: ShardingRules) -> P:
         "o": (None, rules.heads),  # [D, H hd]
         "gate_up": (rules.mlp, None),  # [2F, D], interleaved per device
         "down": (None, rules.mlp),  # [D, F]
-    }.get(leaf, ())  # norms and anything else: replicated
+        "expert_gate_up": (rules.experts, None, None),  # [E, 2F, D]
+        "expert_down": (rules.experts, None, None),  # [E, D, F]
+    }.get(leaf, ())  # norms, the experts' router and anything else: replicated
     return P(*([None] * (ndim - len(spec))), *spec)
 
 

@@ -137,7 +137,7 @@ class EagleHead(nnx.Module):
         self.fc_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
         # A Llama decoder layer whatever the target's own layers add (Qwen3's q/k norms, Mistral's window), as
         # EAGLE's and SpecForge's drafters for those targets are.
-        self.layer = DecoderLayer(dataclasses.replace(cfg, dtype="float32", qk_norm=False, sliding_window=None), rngs)
+        self.layer = DecoderLayer(dataclasses.replace(cfg.llama_layers(), dtype="float32"), rngs)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, jnp.float32)
 
     feature_layers: tuple[int, ...] = ()  # () : the head reads the target's final hidden state
@@ -238,7 +238,7 @@ class ReferenceEagle3Head(nnx.Module):
         if not feature_layers:
             raise ValueError("feature_layers must name at least one target layer")
         d, n = cfg.hidden_size, len(feature_layers)
-        self.cfg = dataclasses.replace(cfg, dtype="float32", qk_norm=False, sliding_window=None)
+        self.cfg = dataclasses.replace(cfg.llama_layers(), dtype="float32")
         self.feature_layers = tuple(int(i) for i in feature_layers)
         self.norm_before_residual = norm_before_residual
         self.fc = _dense_init(rngs, (d, n * target_hidden), jnp.float32)  # [D, L*D_t]

@@ -1,10 +1,15 @@
-"""A Llama-family decoder in Flax NNX (Llama, Mistral, Qwen2, Qwen3, SmolLM2).
+"""A Llama-family decoder in Flax NNX (Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 2, Gemma 3 text).
 
 One forward path serves prefill, single-token decode and verification: T new tokens per row at per-row
 positions, their K/V written into a preallocated cache at per-row lengths, an optional mask among the new
 tokens (causal by default, a tree's ancestor mask for tree verification). It returns logits and hidden states.
-The architectures differ in config switches only: q/k/v biases (Qwen2), per-head q/k norms (Qwen3) and a sliding
-attention window (Mistral), which narrows every mask below to the keys within the window of each query's position.
+The architectures differ in config switches only (`ModelConfig`): q/k/v biases (Qwen2), per-head q/k norms (Qwen3,
+Gemma 3), a sliding attention window, which narrows every mask below to the keys within the window of each query's
+position, on every layer (Mistral) or on some (`layer_types`: Qwen2 and Qwen3 where configured, Gemma's local
+layers, each kind with its rotary tables), and Gemma's (1 + w) norms, normed block outputs, scaled embeddings,
+GELU gate, attention scale and tanh soft-capping of attention scores and logits (Gemma 2). A window or a cap sends
+attention through XLA: the Pallas kernel's mask has neither (in a scanned stack of mixed layers every layer has a
+window, a full-attention layer's one that hides nothing).
 
 The layer stack runs one of two ways (`layer_loop`, chosen per platform by `default_layer_loop`): "scan", the
 layout JAX users know from MaxText and tpu-inference, where the layers' weights are stacked [L, ...] and one
@@ -42,7 +47,7 @@ from jaxspec.kernels.cpu import MatmulImpl, default_impl, linear, uses_kernel
 from jaxspec.kernels.verify_attention import compiled_supports, verify_attention
 from jaxspec.sharding import active, constrain, mesh_size
 
-from .config import ModelConfig
+from .config import FULL_WINDOW, ModelConfig
 from .rope import apply_rope, rope_tables
 
 AttentionImpl = Literal["xla", "pallas"]
@@ -65,17 +70,37 @@ def _dense_init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square layer norm with a learned scale, over the last (feature) axis."""
+    """Root-mean-square layer norm with a learned scale, over the last (feature) axis. With `plus_one` (Gemma) the
+    scale is 1 + w, so a zero weight is the identity."""
 
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, eps: float, dtype, plus_one: bool = False):
+        self.weight = nnx.Param(jnp.full((dim,), 0.0 if plus_one else 1.0, dtype))
         self.eps = eps
+        self.plus_one = plus_one  # static
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Normalise x [..., D] over its features."""
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.weight[...].astype(jnp.float32)  # [D]
+        if self.plus_one:
+            scale = 1.0 + scale
+        return (x32 * scale).astype(x.dtype)
+
+
+def _norm(dim: int, cfg: ModelConfig) -> RMSNorm:
+    """An RMSNorm over `dim` features as the config's architecture scales it."""
+    return RMSNorm(dim, cfg.rms_norm_eps, cfg.jnp_dtype, plus_one=cfg.gemma_norms)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """tanh(x / cap) * cap: x squashed smoothly into (-cap, cap) (Gemma 2's soft-capping); x itself for None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def _attention_logits(products: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Attention scores from query-key products f32[...]: scaled, then soft-capped where the config caps them."""
+    return softcap(products * cfg.attention_scale, cfg.attn_logit_softcapping)
 
 
 class Attention(nnx.Module):
@@ -93,21 +118,22 @@ class Attention(nnx.Module):
         self.qkv = _dense_init(rngs, (qkv_width, in_features), dt)  # [(H + 2 Hkv) hd, D_in]
         self.qkv_bias = nnx.Param(jnp.zeros((qkv_width,), dt)) if cfg.attention_bias else None
         self.o = _dense_init(rngs, (cfg.hidden_size, cfg.num_heads * cfg.head_dim), dt)  # [D, H hd]
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+        self.q_norm = _norm(cfg.head_dim, cfg) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg.head_dim, cfg) if cfg.qk_norm else None
         # Static: the qkv rows are stored as `blocks` consecutive [q; k; v] blocks of H/blocks query and
         # Hkv/blocks KV heads each (`set_blocks`), so a tensor-parallel split of the rows gives each device whole
         # heads. 1 (one [q; k; v]) without a mesh.
         self.blocks = 1
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None, write_cache=True, layer=None, positions=None):
+                 cached_slots=None, write_cache=True, layer=None, window=None):
         """x [B, T, D]; returns the attention block's output [B, T, D] and the caches with the new K/V written,
         or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd].
 
         With `layer` (i32[], inside a scanned layer stack) the caches are the stack's [B, L, Hkv, S, hd] buffers,
-        written and read at that layer. `positions` i32[B, T] (the new tokens' positions) is needed with a sliding
-        window: committed slot s holds position s, so the window bounds slots as well as new tokens."""
+        written and read at that layer. `window`: None for full attention, or (positions, W): the new tokens'
+        positions i32[B, T] and the layer's window W (an int, or an i32[] in a scanned stack of mixed layers);
+        committed slot s holds position s, so the window bounds slots as well as new tokens."""
         cfg = self.cfg
         B, T = cos.shape[:2]
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -127,7 +153,6 @@ class Attention(nnx.Module):
         def this_layer(buffer):  # [B, Hkv, S, hd]: the layer's own buffer, or its slice of the stack's
             return buffer if layer is None else jax.lax.dynamic_index_in_dim(buffer, layer, 1, keepdims=False)
 
-        window = None if cfg.sliding_window is None else (positions, cfg.sliding_window)
         if not write_cache:
             out = _attention_beside_cache(q, this_layer(k_cache), this_layer(v_cache), k, v, lengths, tree_mask, cfg,
                                           window)
@@ -136,10 +161,12 @@ class Attention(nnx.Module):
         k_layer, v_layer = this_layer(k_cache), this_layer(v_cache)
         # "pallas" is a hint: the interpreter (CPU) takes any head dim, the compiled kernel only those Triton takes,
         # so a model with another (8, 80, ...) uses XLA's attention rather than fail on a GPU, where it is the default.
-        # The kernel's mask has no window either.
+        # The kernel has no window in its mask and no soft-capping of its scores either.
         interpret = jax.default_backend() == "cpu"
-        if attention_impl == "pallas" and (interpret or compiled_supports(hd)) and window is None:
-            out = verify_attention(q, k_layer, v_layer, lengths, tree_mask, interpret=interpret)
+        if (attention_impl == "pallas" and (interpret or compiled_supports(hd)) and window is None
+                and cfg.attn_logit_softcapping is None):
+            scale = None if cfg.query_pre_attn_scalar is None else cfg.attention_scale  # None: the kernel's 1/sqrt(hd)
+            out = verify_attention(q, k_layer, v_layer, lengths, tree_mask, sm_scale=scale, interpret=interpret)
         elif visible is not None:  # the caller's own mask over the whole cache (the EAGLE head's trees)
             out = _xla_attention(q, k_layer, v_layer, visible, cfg)
         else:
@@ -156,7 +183,7 @@ def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
     # a plain batched [M, hd] x [hd, S] matmul, which XLA:CPU runs several times faster than the same
     # contraction with G and T as separate dimensions.
     q = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)
-    scores = jnp.einsum("bkmd,bksd->bkms", q, k_cache, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = _attention_logits(jnp.einsum("bkmd,bksd->bkms", q, k_cache, preferred_element_type=jnp.float32), cfg)
     scores = jnp.where(visible[:, None, None], scores.reshape(B, Hkv, G, T, S), _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, Hkv, G * T, S)
     # Invisible slots may hold stale values; their probability is exactly zero after the masked softmax,
@@ -186,10 +213,11 @@ def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mas
         among_new = jnp.tril(jnp.ones((1, T, T), bool)) if tree_mask is None else tree_mask  # bool[b or 1, T, T]
         if positions is not None:  # keys within the window of each query's position
             among_new = among_new & _in_window(positions, positions, W)  # bool[b, T, T]
-        new_scores = jnp.einsum("bkmd,bktd->bkmt", q, k_new, preferred_element_type=jnp.float32) * (hd ** -0.5)
+        new_scores = _attention_logits(jnp.einsum("bkmd,bktd->bkmt", q, k_new, preferred_element_type=jnp.float32),
+                                       cfg)
         new_scores = jnp.where(among_new[:, None, None], new_scores.reshape(B, Hkv, G, T, T), _MASKED)
         k_old, v_old = k_cache[:, :, :slots], v_cache[:, :, :slots]
-        scores = jnp.einsum("bkmd,bksd->bkms", q, k_old, preferred_element_type=jnp.float32) * (hd ** -0.5)
+        scores = _attention_logits(jnp.einsum("bkmd,bksd->bkms", q, k_old, preferred_element_type=jnp.float32), cfg)
         committed = (jnp.arange(slots)[None, :] < lengths[:, None])[:, None, None, None]  # bool[b, 1, 1, 1, slots]
         if positions is not None:
             near = _in_window(positions, jnp.arange(slots)[None, :], W)  # bool[b, T, slots]
@@ -295,8 +323,13 @@ def _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfi
     return _in_read_bucket(attend, S, jnp.max(lengths) + T)  # every row and its new tokens
 
 
+# The gate activations of ACTIVATIONS: SwiGLU's, and GeGLU's tanh approximation (Gemma; transformers'
+# "gelu_pytorch_tanh").
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU feed-forward block (fused gate/up projection)."""
+    """Gated feed-forward block (fused gate/up projection): down(act(gate x) * up x), SwiGLU or GeGLU."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmul: MatmulImpl | None = None):
         dt = cfg.jnp_dtype
@@ -304,31 +337,96 @@ class MLP(nnx.Module):
         self.down = _dense_init(rngs, (cfg.hidden_size, cfg.intermediate_size), dt)  # [D, F]
         self.matmul = matmul or default_impl()
         self.blocks = 1  # static: gate_up rows stored as `blocks` [gate; up] blocks of F/blocks units (`set_blocks`)
+        self.activation = cfg.hidden_act  # static
 
     def __call__(self, x):
         """x [B, T, D] -> [B, T, D]."""
         h = linear(x, self.gate_up[...], self.matmul)  # [B, T, 2F]
         h = h.reshape(*x.shape[:-1], self.blocks, 2, -1)  # block i: [gate; up] of its F/blocks hidden units
-        hidden = (jax.nn.silu(h[..., 0, :]) * h[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B, T, F], canonical order
+        gate = _ACTIVATIONS[self.activation](h[..., 0, :])
+        hidden = (gate * h[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B, T, F], canonical order
         return linear(constrain(hidden, "batch", None, "mlp"), self.down[...], self.matmul)
 
 
+class MoE(nnx.Module):
+    """A mixture of gated experts (Mixtral, Qwen3-MoE): a router scores E experts per token, the k best run, and
+    their outputs are summed weighted by the router's softmax over the k (renormalised to sum to one, or, with
+    `normalize_expert_weights` off, as they are).
+
+    Two exact ways to run them, chosen statically by size: with fewer token-expert pairs than experts (decoding)
+    each token gathers its k experts' weights, so a step reads k experts per token rather than all E; with more
+    (prefill, wide verification) every expert runs on every token and the router's weights, zero outside the k,
+    combine them. The experts' axis is the one tensor parallelism splits (`ShardingRules.experts`): each device
+    holds E / n whole experts."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = cfg.jnp_dtype
+        e, f, d = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
+        self.router = _dense_init(rngs, (e, d), dt)  # [E, D]
+        self.expert_gate_up = _dense_init(rngs, (e, 2 * f, d), dt)  # [E, 2F, D]: each expert's [gate; up] rows
+        self.expert_down = _dense_init(rngs, (e, d, f), dt)  # [E, D, F]
+        self.top_k = cfg.experts_per_token  # static
+        self.normalize = cfg.normalize_expert_weights  # static
+        self.activation = cfg.hidden_act  # static
+
+    def route(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(weights f32[N, k], experts i32[N, k]) for token rows [N, D]: the k experts of highest router
+        probability and their weights."""
+        logits = jnp.dot(rows, self.router[...].T, preferred_element_type=jnp.float32)  # [N, E]
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)
+        if self.normalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights, experts
+
+    def _gated(self, h: jax.Array) -> jax.Array:
+        """act(gate) * up from [..., 2F] rows of [gate; up]."""
+        gate, up = jnp.split(h, 2, axis=-1)
+        return _ACTIVATIONS[self.activation](gate) * up
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]."""
+        rows = x.reshape(-1, x.shape[-1])  # [N, D]
+        weights, experts = self.route(rows)  # [N, k]
+        num_experts = self.router.shape[0]
+        if rows.shape[0] * self.top_k < num_experts:
+            gate_up = jnp.take(self.expert_gate_up[...], experts, axis=0)  # [N, k, 2F, D]
+            h = self._gated(jnp.einsum("nd,nkfd->nkf", rows, gate_up))  # [N, k, F]
+            down = jnp.take(self.expert_down[...], experts, axis=0)  # [N, k, D, F]
+            out = jnp.einsum("nkf,nkdf,nk->nd", h, down, weights.astype(h.dtype))
+        else:
+            h = self._gated(jnp.einsum("nd,efd->nef", rows, self.expert_gate_up[...]))  # [N, E, F]
+            dense = jnp.zeros((rows.shape[0], num_experts), h.dtype)  # [N, E]: zero outside each token's k
+            dense = dense.at[jnp.arange(rows.shape[0])[:, None], experts].set(weights.astype(h.dtype))
+            out = jnp.einsum("nef,edf,ne->nd", h, self.expert_down[...], dense)
+        return out.reshape(x.shape).astype(x.dtype)
+
+
 class DecoderLayer(nnx.Module):
-    """Pre-norm transformer block: attention then MLP, each added to the residual stream."""
+    """Pre-norm transformer block: attention then MLP, each added to the residual stream. With Gemma's norms each
+    block's output is normed too before it is added (4 norms)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmul: MatmulImpl | None = None):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+        d = cfg.hidden_size
+        self.input_norm = _norm(d, cfg)  # before attention
         self.attn = Attention(cfg, rngs, matmul)
-        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
-        self.mlp = MLP(cfg, rngs, matmul)
+        self.post_attention_norm = _norm(d, cfg)  # before the MLP (Gemma's `pre_feedforward_layernorm`)
+        self.mlp = MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs, matmul)
+        # Gemma: on the attention output (its `post_attention_layernorm`) and the MLP output.
+        self.attn_output_norm = _norm(d, cfg) if cfg.gemma_norms else None
+        self.mlp_output_norm = _norm(d, cfg) if cfg.gemma_norms else None
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None, write_cache=True, layer=None, positions=None):
+                 cached_slots=None, write_cache=True, layer=None, window=None):
         """x [B, T, D] -> the block's output [B, T, D] and the caches (as `Attention` returns them)."""
         attn_out, k_cache, v_cache = self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, lengths, visible,
-                                               attention_impl, tree_mask, cached_slots, write_cache, layer, positions)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_norm(x))
+                                               attention_impl, tree_mask, cached_slots, write_cache, layer, window)
+        if self.attn_output_norm is not None:
+            attn_out = self.attn_output_norm(attn_out)
+        x = x + attn_out  # [B, T, D]
+        mlp_out = self.mlp(self.post_attention_norm(x))
+        if self.mlp_output_norm is not None:
+            mlp_out = self.mlp_output_norm(mlp_out)
+        x = x + mlp_out
         return x, k_cache, v_cache
 
 
@@ -379,7 +477,7 @@ class Llama(nnx.Module):
         self.layer_loop: LayerLoop = "unroll"
         self.layers = nnx.List([DecoderLayer(cfg, rngs, self.matmul) for _ in range(cfg.num_layers)])
         set_layer_loop(self, layer_loop or default_layer_loop())
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.norm = _norm(cfg.hidden_size, cfg)
         # [D, V] even when tied: XLA:CPU runs x @ W faster than x @ E.T for this shape (docs/cpu-performance.md).
         self.lm_head = nnx.Param(self.embed[...].T if cfg.tie_word_embeddings
                                  else _dense_init(rngs, (cfg.hidden_size, cfg.vocab_size), dt)[...])
@@ -391,8 +489,16 @@ class Llama(nnx.Module):
                               max_len=max_len, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype,
                               stacked=self.layer_loop == "scan")
 
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """[B, T, D] embeddings of tokens i32[B, T]; Gemma's scaled by sqrt(hidden_size) (in the model's dtype, as
+        transformers rounds it)."""
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+        if self.cfg.gemma_norms:
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
+        return x
+
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[..., V] from final normed hidden states [..., D]."""
+        """f32[..., V] from final normed hidden states [..., D], soft-capped where the config caps them."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         if self.cfg.tie_word_embeddings and uses_kernel(self.matmul, self.embed[...], rows.T):
             # The kernel reads the [V, D] table row-major, as its projections read their weights.
@@ -402,6 +508,7 @@ class Llama(nnx.Module):
             out = jnp.dot(self.embed[...], rows.T, preferred_element_type=jnp.float32).T
         else:
             out = jnp.dot(rows, self.lm_head[...], preferred_element_type=jnp.float32)
+        out = softcap(out, self.cfg.final_logit_softcapping)
         return out.reshape(hidden.shape[:-1] + (out.shape[-1],))
 
     def __call__(
@@ -431,14 +538,15 @@ class Llama(nnx.Module):
         if not write_cache and (attention_impl != "xla" or cached_slots is not None):
             raise ValueError(f"write_cache=False needs attention_impl='xla' and cached_slots=None, got "
                              f"{attention_impl!r} and {cached_slots!r}")
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
-        cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
-        window_positions = positions if self.cfg.sliding_window is not None else None
-        args = (cos, sin, cache.lengths, attention_impl, tree_mask, cached_slots, write_cache, window_positions)
+        x = self.embed_tokens(tokens)  # [B, T, D]
+        cfg = self.cfg
+        ropes = dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))  # in layer order, each once
+        tables = {rope: rope_tables(positions, rope, cfg.head_dim) for rope in ropes}  # (cos, sin) f32[B, T, hd]
+        args = (cache.lengths, attention_impl, tree_mask, cached_slots, write_cache)
         if self.layer_loop == "scan":
-            x, ks, vs, outputs = self._scan_layers(x, cache, args, return_layers)
+            x, ks, vs, outputs = self._scan_layers(x, positions, tables, cache, args, return_layers)
         else:
-            x, ks, vs, outputs = self._unrolled_layers(x, cache, args, return_layers)
+            x, ks, vs, outputs = self._unrolled_layers(x, positions, tables, cache, args, return_layers)
         hidden = self.norm(x)  # [B, T, D]
         logits = None
         if compute_logits:
@@ -449,37 +557,65 @@ class Llama(nnx.Module):
             new_cache = new_cache.replace(lengths=jnp.zeros_like(cache.lengths))
         return ModelOutput(logits=logits, hidden=hidden, layer_hidden=tuple(outputs)), new_cache
 
-    def _unrolled_layers(self, x, cache: KVCache, args: tuple, return_layers: tuple[int, ...]):
-        """The layers one after another in the trace: (x, per-layer K and V buffers, requested layers' x)."""
-        cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache, positions = args
+    def _unrolled_layers(self, x, positions, tables: dict, cache: KVCache, args: tuple,
+                         return_layers: tuple[int, ...]):
+        """The layers one after another in the trace, each with its own rotary tables (`tables`, by RopeConfig)
+        and static window: (x, per-layer K and V buffers, requested layers' x)."""
+        lengths, attention_impl, tree_mask, cached_slots, write_cache = args
+        cfg = self.cfg
         ks, vs, saved = list(cache.k), list(cache.v), []
         for i, layer in enumerate(self.layers):
+            cos, sin = tables[cfg.layer_rope(i)]
+            window = None if cfg.layer_window(i) is None else (positions, cfg.layer_window(i))
             # visible=None: the target's mask is built per cache bucket (`_bucketed_attention`).
             x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], lengths, None, attention_impl, tree_mask,
-                                    cached_slots, write_cache, positions=positions)
+                                    cached_slots, write_cache, window=window)
             if i in return_layers:
                 saved.append(x)
         return x, tuple(ks), tuple(vs), saved
 
-    def _scan_layers(self, x, cache: KVCache, args: tuple, return_layers: tuple[int, ...]):
+    def _scan_layers(self, x, positions, tables: dict, cache: KVCache, args: tuple,
+                     return_layers: tuple[int, ...]):
         """The stacked layers as one `lax.scan`: (x, stacked K and V [B, L, Hkv, S or T, hd], requested layers'
         x). Writing, each layer updates its slice of the carried cache in place; deferring (write_cache=False)
-        it only reads the cache and the new tokens' K/V leave the scan as its stacked output."""
-        cos, sin, lengths, attention_impl, tree_mask, cached_slots, write_cache, positions = args
+        it only reads the cache and the new tokens' K/V leave the scan as its stacked output.
+
+        Layers alike share one window and one pair of rotary tables. Where they mix (`layer_types`), each
+        layer's window (full attention as FULL_WINDOW, which hides no key) is scanned beside its weights, and so,
+        where the kinds rotate differently (Gemma 3), is which of the stacked tables it reads."""
+        lengths, attention_impl, tree_mask, cached_slots, write_cache = args
+        cfg = self.cfg
+        L = cfg.num_layers
         graphdef, stacked = nnx.split(self.layers)
+        ropes = list(tables)
+        per_layer = {}  # scanned beside the weights where layers differ
+        if cfg.layer_types is not None:
+            per_layer["window"] = jnp.asarray([cfg.layer_window(i) or FULL_WINDOW for i in range(L)], jnp.int32)
+        if len(ropes) > 1:
+            per_layer["rope"] = jnp.asarray([ropes.index(cfg.layer_rope(i)) for i in range(L)], jnp.int32)  # i32[L]
+            cos_all = jnp.stack([tables[r][0] for r in ropes])  # [R, B, T, hd], R: the distinct rotary settings
+            sin_all = jnp.stack([tables[r][1] for r in ropes])
 
         def body(carry, xs):
             x, k_cache, v_cache = carry
-            params, i = xs
+            params, i, per_layer = xs
+            if "rope" in per_layer:
+                cos, sin = cos_all[per_layer["rope"]], sin_all[per_layer["rope"]]  # [B, T, hd] each
+            else:
+                cos, sin = tables[ropes[0]]
+            if "window" in per_layer:
+                window = (positions, per_layer["window"])
+            else:
+                window = None if cfg.sliding_window is None else (positions, cfg.sliding_window)
             layer = nnx.merge(graphdef, params)
             x, k_out, v_out = layer(x, cos, sin, k_cache, v_cache, lengths, None, attention_impl, tree_mask,
-                                    cached_slots, write_cache, layer=i, positions=positions)
+                                    cached_slots, write_cache, layer=i, window=window)
             if write_cache:
                 return (x, k_out, v_out), ((), x if return_layers else None)
             return (x, k_cache, v_cache), ((k_out, v_out), x if return_layers else None)  # new K/V [B, Hkv, T, hd]
 
-        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x, ks, vs), (new, outputs) = jax.lax.scan(body, (x, cache.k, cache.v), (stacked, layers))
+        layers = jnp.arange(L, dtype=jnp.int32)
+        (x, ks, vs), (new, outputs) = jax.lax.scan(body, (x, cache.k, cache.v), (stacked, layers, per_layer))
         if not write_cache:
             ks, vs = (a.swapaxes(0, 1) for a in new)  # [L, B, Hkv, T, hd] -> [B, L, Hkv, T, hd]
         saved = [outputs[i] for i in range(self.cfg.num_layers) if i in return_layers]

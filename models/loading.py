@@ -124,15 +124,16 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | 
     """Load a named model (see NAMED_MODELS), a `.gguf` file, a Hugging Face directory, or a random-weight model.
 
     `"random:<name>"` (`jaxspec.models.random_shapes.RANDOM_SHAPES`: `random:smollm2-135m`, `random:llama-3.2-1b`,
-    `random:llama-3.1-8b`, `random:qwen3-8b`) builds a model in the shapes of that checkpoint with random weights,
-    drawn on the device in `dtype`: its output is meaningless; it is for measuring step times and memory at real
-    sizes. It carries the default model's tokenizer where the vocabularies match (`random:smollm2-135m`) and none
-    otherwise (prompts are then token ids, and results have no text). An unknown name is a ValueError listing the
-    known ones.
+    `random:llama-3.1-8b`, `random:qwen3-8b`, `random:gemma-3-12b`, `random:qwen3-30b-a3b`) builds a model in the
+    shapes of that checkpoint with random weights, drawn on the device in `dtype`: its output is meaningless; it is
+    for measuring step times and memory at real sizes. It carries the default model's tokenizer where the
+    vocabularies match (`random:smollm2-135m`) and none otherwise (prompts are then token ids, and results have no
+    text). An unknown name is a ValueError listing the known ones.
 
-    A Hugging Face directory's `config.json` names its architecture (`model_type`): Llama, Mistral, Qwen2 and Qwen3
-    load (`jaxspec.models.config.HF_ARCHITECTURES`); any other is a ValueError naming it. A GGUF file's
-    `general.architecture` likewise: llama, qwen2 and qwen3 load; any other is a ValueError naming it.
+    A Hugging Face directory's `config.json` names its architecture (`model_type`): Llama, Mistral, Qwen2, Qwen3,
+    Gemma 2, Gemma 3's text decoder, Mixtral and Qwen3-MoE load (`jaxspec.models.config.HF_ARCHITECTURES`); any
+    other is a ValueError naming it. A GGUF file's `general.architecture` likewise: llama, qwen2 and qwen3 load;
+    any other is a ValueError naming it.
 
     A Hugging Face directory holds `config.json`, `model.safetensors` or a sharded
     `model.safetensors.index.json`, and `tokenizer.json`; float32, float16 and bfloat16 tensors are read, one at a
@@ -327,7 +328,10 @@ def gguf_config(reader: gguf.GGUFReader, dtype: str = "float32", *, source: str 
     cannot run, or a metadata field that is missing, mistyped or out of range (naming the field)."""
     arch = _field(reader, "general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise FileError(f"{source}: architecture {describe(arch)} is not supported (supported: {_SUPPORTED_ARCHS})")
+        # llama.cpp's Gemma files hold tensors this reader does not map (norms around each block's output).
+        hint = "; Gemma 2 and Gemma 3 load from Hugging Face directories" if str(arch).startswith("gemma") else ""
+        raise FileError(f"{source}: architecture {describe(arch)} is not supported (supported: {_SUPPORTED_ARCHS})"
+                        f"{hint}")
     meta = _Metadata(reader)
 
     def get(key, kind, *default):
@@ -455,28 +459,46 @@ def _read_hf_dir(path: Path, dtype: str):
                                 f"{str(shard.path)!r}")
             shards[name] = shard
     where = repr(str(path)) if len(files) > 1 else f"weights file {str(path / files[0])!r}"
-    check_tensors(config, {name: shard.shapes[name] for name, shard in shards.items()}, where,
-                  {name: f"{name} ({shard.path.name})" for name, shard in shards.items()} if len(files) > 1 else None)
-    weights = ShardedTensors(shards)
+    check_tensors(config, {canonical_name(name): shard.shapes[name] for name, shard in shards.items()}, where,
+                  {canonical_name(name): f"{name} ({shard.path.name})" for name, shard in shards.items()}
+                  if len(files) > 1 else {canonical_name(name): name for name in shards})
+    weights = ShardedTensors({canonical_name(name): (shard, name) for name, shard in shards.items()})
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return config, weights, tokenizer
 
 
 class ShardedTensors(Mapping):
-    """A checkpoint's tensors by Hugging Face name, each read from its shard when asked for and never kept: a load
-    (`build_module`) holds one tensor at a time beside the model it fills, not a second copy of the checkpoint."""
+    """A checkpoint's tensors by the names the loader expects (`canonical_name`), each read from its shard when
+    asked for and never kept: a load (`build_module`) holds one tensor at a time beside the model it fills, not a
+    second copy of the checkpoint."""
 
-    def __init__(self, shards: dict[str, SafetensorsFile]):
-        self._shards = shards  # tensor name -> the file holding it
+    def __init__(self, tensors: dict[str, tuple[SafetensorsFile, str]]):
+        self._tensors = tensors  # name -> (the file holding it, its name there)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._shards[name].read(name)
+        shard, stored = self._tensors[name]
+        return shard.read(stored)
 
     def __iter__(self):
-        return iter(self._shards)
+        return iter(self._tensors)
 
     def __len__(self) -> int:
-        return len(self._shards)
+        return len(self._tensors)
+
+
+# Mixtral's names for its router and experts -> Qwen3-MoE's, the names the loader expects.
+_MIXTRAL_NAMES = (("block_sparse_moe.gate.", "mlp.gate."), ("block_sparse_moe.experts.", "mlp.experts."),
+                  (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name as the loader expects it: Mixtral's `block_sparse_moe.gate` and
+    `block_sparse_moe.experts.M.w1/w3/w2` become `mlp.gate` and `mlp.experts.M.gate_proj/up_proj/down_proj`."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for old, new in _MIXTRAL_NAMES:
+        name = name.replace(old, new)
+    return name
 
 
 # -------------------------------------------------------------------------------------- expected tensors
@@ -498,6 +520,10 @@ _BIAS_SHAPES = {
     "self_attn.k_proj.bias": ("num_kv_heads*head_dim",),
     "self_attn.v_proj.bias": ("num_kv_heads*head_dim",),
 }
+_GEMMA_NORM_SHAPES = {  # Gemma's norms before the MLP and on its output (beside the two every layer has)
+    "pre_feedforward_layernorm.weight": ("hidden_size",),
+    "post_feedforward_layernorm.weight": ("hidden_size",),
+}
 _QK_NORM_SHAPES = {
     "self_attn.q_norm.weight": ("head_dim",),
     "self_attn.k_norm.weight": ("head_dim",),
@@ -513,12 +539,25 @@ def _dim(config: ModelConfig, expr: str) -> int:
     return math.prod(getattr(config, name) for name in expr.split("*"))
 
 
+def _expert_shapes(num_experts: int) -> dict[str, tuple[str, ...]]:
+    """A mixture of experts' tensors in one layer (Qwen3-MoE's names, `canonical_name`): the router and each
+    expert's gated MLP."""
+    expert = {name.removeprefix("mlp."): shape for name, shape in _LAYER_SHAPES.items() if name.startswith("mlp.")}
+    shapes = {"mlp.gate.weight": ("num_experts", "hidden_size")}
+    for m in range(num_experts):
+        shapes.update({f"mlp.experts.{m}.{name}": shape for name, shape in expert.items()})
+    return shapes
+
+
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """The Hugging Face-named tensors a checkpoint of `config` holds, each with its shape as config fields
     (lm_head.weight included; a tied model may leave it out)."""
     names = dict(_GLOBAL_SHAPES)
-    per_layer = {**_LAYER_SHAPES, **(_BIAS_SHAPES if config.attention_bias else {}),
-                 **(_QK_NORM_SHAPES if config.qk_norm else {})}
+    per_layer = {k: v for k, v in _LAYER_SHAPES.items() if not (config.num_experts and k.startswith("mlp."))}
+    per_layer.update({**(_BIAS_SHAPES if config.attention_bias else {}),
+                      **(_QK_NORM_SHAPES if config.qk_norm else {}),
+                      **(_GEMMA_NORM_SHAPES if config.gemma_norms else {}),
+                      **(_expert_shapes(config.num_experts) if config.num_experts else {})})
     for i in range(config.num_layers):
         names.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
     return names
@@ -596,12 +635,28 @@ def build_module(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> Llam
             assign(layer.attn.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
             assign(layer.attn.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
         assign(layer.attn.o, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-        gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-        assign(layer.mlp.gate_up, np.concatenate([gate, up], axis=0), p + "mlp.gate_up")
-        assign(layer.mlp.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-        assign(layer.input_norm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-        assign(layer.post_attention_norm.weight, take(p + "post_attention_layernorm.weight"),
-               p + "post_attention_layernorm.weight")
+        if config.num_experts:
+            experts = [f"{p}mlp.experts.{m}." for m in range(config.num_experts)]
+            assign(layer.mlp.router, take(p + "mlp.gate.weight"), p + "mlp.gate.weight")
+            assign(layer.mlp.expert_gate_up, np.stack([np.concatenate([take(e + "gate_proj.weight"),
+                                                                       take(e + "up_proj.weight")]) for e in experts]),
+                   p + "mlp.experts.*.gate_up")
+            assign(layer.mlp.expert_down, np.stack([take(e + "down_proj.weight") for e in experts]),
+                   p + "mlp.experts.*.down_proj.weight")
+        else:
+            gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+            assign(layer.mlp.gate_up, np.concatenate([gate, up], axis=0), p + "mlp.gate_up")
+            assign(layer.mlp.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+        # Hugging Face's names for a layer's norms: a Llama's second norm is the MLP's input norm
+        # (post_attention_layernorm); a Gemma's is the attention output's, its MLP's input norm pre_feedforward.
+        norms = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+        if config.gemma_norms:
+            norms = {"input_norm": "input_layernorm", "attn_output_norm": "post_attention_layernorm",
+                     "post_attention_norm": "pre_feedforward_layernorm",
+                     "mlp_output_norm": "post_feedforward_layernorm"}
+        for ours, theirs in norms.items():
+            name = f"{p}{theirs}.weight"
+            assign(getattr(layer, ours).weight, take(name), name)
     unused = sorted(set(weights) - used - {"lm_head.weight"})
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
     if unused:

@@ -31,6 +31,12 @@ PREFIX = "random:"
 _LLAMA3_ROPE = dict(theta=500000.0, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
 
+
+def _gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """Gemma 3's interleaving: `pattern` - 1 local (sliding) layers, then a global one, repeated."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers))
+
+
 # Shapes of published checkpoints (their config.json), by the name after "random:".
 RANDOM_SHAPES: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct: the default model's shapes.
@@ -53,6 +59,21 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
                             num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                             rope=RopeConfig(theta=1000000.0), tie_word_embeddings=False, qk_norm=True,
                             max_position_embeddings=40960),
+    # google/gemma-3-12b-pt's text decoder (its config.json's text_config, with transformers' Gemma 3 defaults for
+    # what it leaves out): 5 local layers of window 1024 (rope base 1e4) to each global one (rope base 1e6,
+    # linear scaling by 8), q/k norms, query_pre_attn_scalar 256, GeGLU, tied embeddings.
+    "gemma-3-12b": ModelConfig(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_layers=48,
+                               num_heads=16, num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6,
+                               rope=RopeConfig(theta=1000000.0, rope_type="linear", factor=8.0),
+                               sliding_rope=RopeConfig(theta=10000.0), sliding_window=1024,
+                               layer_types=_gemma3_layer_types(48), tie_word_embeddings=True, qk_norm=True,
+                               gemma_norms=True, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256.0,
+                               max_position_embeddings=131072),
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768 hidden units in every layer, 8 a token (norm_topk_prob), q/k norms.
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=768, num_layers=48,
+                                 num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                                 rope=RopeConfig(theta=1000000.0), tie_word_embeddings=False, qk_norm=True,
+                                 max_position_embeddings=40960, num_experts=128, experts_per_token=8),
 }
 
 
@@ -84,7 +105,7 @@ def _uniform(seed: jax.Array, *, shape: tuple[int, ...], dtype, scale: float) ->
 
 def random_module(config: ModelConfig, seed: int = 0) -> Llama:
     """A Llama of `config` with random weights: embeddings of standard deviation 1, projections of 0.02 (the
-    scales `Llama` initialises with), unit norm scales, zero biases.
+    scales `Llama` initialises with), unit norm scales (zero weights for Gemma's 1 + w), zero biases.
 
     Each weight's seed is a hash of `seed` and the weight's path, so a tensor does not depend on the order the
     others are drawn in; a tied LM head is the embedding's transpose, as `build_module` lays it out.
@@ -99,7 +120,7 @@ def random_module(config: ModelConfig, seed: int = 0) -> Llama:
             continue
         shape = tuple(param.get_value().shape)
         if name.endswith("weight") and len(shape) == 1:  # RMSNorm scales
-            param.set_value(jnp.ones(shape, dtype))
+            param.set_value(jnp.full(shape, 0.0 if config.gemma_norms else 1.0, dtype))
         elif name.endswith("bias"):
             param.set_value(jnp.zeros(shape, dtype))
         else:

@@ -4,6 +4,10 @@ Each test model is a tiny random-weight checkpoint that transformers itself buil
 so config.json is in the layout the installed release writes); `load_model` reads the directory, and the logits,
 greedy tokens and log-probabilities must be transformers' (torch, float32). Greedy speculative decoding on each
 must equal greedy plain decoding. Architectures jaxspec does not implement must be refused by name.
+
+The windowed checkpoints run past their window of WINDOW positions; Gemma 3, Gemma 2 and the windowed Qwen2 mix
+windowed and full-attention layers, Gemma 3's kinds each with their rotary settings, Gemma 2 soft-caps its
+attention scores and logits at caps small enough to bite.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from flax import nnx
 import jaxspec
 from jaxspec import SpecConfig
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.heads import EagleHead
 from jaxspec.models.loading import load_model
 from jaxspec.proposers.draft_model import self_draft_model
 
 VOCAB = 96
-WINDOW = 7  # Mistral's sliding window: a prompt of PROMPT tokens and NEW_TOKENS more run far past it
+WINDOW = 7  # the sliding window: a prompt of PROMPT tokens and NEW_TOKENS more run far past it
 PROMPT, NEW_TOKENS = 20, 24
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
@@ -37,7 +42,33 @@ ARCHITECTURES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32, rope_theta=1e6)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(head_dim=16, sliding_window=WINDOW)),
+    # A window on the second layer only.
+    "qwen2_windows": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                      dict(use_sliding_window=True, sliding_window=WINDOW,
+                           layer_types=["full_attention", "sliding_attention"])),
+    # A local layer (window, rope base 1e4) then a global one (rope base 1e6 with linear scaling), an attention
+    # scalar other than head_dim, tied embeddings. Gemma's configs end generation at token 1 (eos_token_id):
+    # transformers' reference must decode every step, as jaxspec does with ignore_eos.
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                    dict(head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=24, tie_word_embeddings=True, eos_token_id=None,
+                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # transformers' default interleaving (a local layer, then a global one) and soft-capping of scores and logits.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=4.0, eos_token_id=None)),
+    # Mixtures of 4 experts, 2 a token: Mixtral renormalises the two weights, this Qwen3-MoE (norm_topk_prob off)
+    # keeps them as the softmax over all four gave them.
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       norm_topk_prob=False, rope_theta=1e6)),
 }
+MIXED = ("qwen2_windows", "gemma3_text", "gemma2")  # windowed and full-attention layers
+EXPERTS = ("mixtral", "qwen3_moe")  # mixtures of experts
+WINDOWED = ("mistral",) + MIXED
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
@@ -45,7 +76,7 @@ def checkpoint(request, tmp_path_factory):
     """(architecture, the transformers model, its saved directory)."""
     config_class, model_class, extra = ARCHITECTURES[request.param]
     torch.manual_seed(0)
-    model = model_class(config_class(**_SHAPE, **extra)).eval()
+    model = model_class(config_class(**{**_SHAPE, **extra})).eval()
     with torch.no_grad():
         for p in model.parameters():  # larger than the default init, so the layers change the logits visibly
             p.normal_(0.0, 0.2)
@@ -71,29 +102,37 @@ def _jax_logits(lm, ids: np.ndarray) -> np.ndarray:
 def test_logits_equal_transformers(checkpoint, prompt, layer_loop):
     name, model, path = checkpoint
     lm = load_model(path, layer_loop=layer_loop)
-    assert lm.config.qk_norm == (name == "qwen3")
-    assert lm.config.sliding_window == (WINDOW if name == "mistral" else None)
+    assert lm.config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3_text"))
+    assert lm.config.num_experts == (4 if name in EXPERTS else 0)
+    assert lm.config.sliding_window == (WINDOW if name in WINDOWED else None)
+    assert lm.config.layer_types == (tuple(model.config.layer_types) if name in MIXED else None)
+    assert lm.config.gemma_norms == name.startswith("gemma")
     with torch.no_grad():
         want = model(torch.tensor(prompt)).logits.numpy()
     np.testing.assert_allclose(_jax_logits(lm, prompt), want, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("attention_impl", ["xla", "pallas"])
-def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint, prompt, attention_impl):
-    """Decoding from the cache, one token a step, up to 44 positions (past Mistral's window of 7). "pallas" runs
-    the verification kernel (interpreted on a CPU) for the two architectures that touch it: Qwen3's normed q/k
-    enter it, and Mistral's window is not in its mask, so XLA's attention serves that model instead. (The suite
-    tests the kernel on Llama and Qwen2 shapes elsewhere.)"""
+@pytest.mark.parametrize("attention_impl, layer_loop", [("xla", "unroll"), ("pallas", "unroll"), ("xla", "scan")])
+def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint, prompt, attention_impl, layer_loop):
+    """Decoding from the cache, one token a step, up to 44 positions (past the window of 7). "pallas" runs the
+    verification kernel (interpreted on a CPU) for the architectures that touch it: Qwen3's normed q/k enter it,
+    Gemma 3's global layers take it with their own scale, and neither windows (Mistral, Gemma 3's local layers)
+    nor Gemma 2's soft-capping are in its mask, so XLA's attention serves those layers instead. (The suite tests
+    the kernel on Llama and Qwen2 shapes elsewhere.) "scan" decodes the models whose layers mix attention kinds
+    with each layer's window and rotary tables scanned beside its weights, and the mixtures of experts, whose
+    stacked experts a scan slices per layer."""
     name, model, path = checkpoint
-    if attention_impl == "pallas" and name not in ("qwen3", "mistral"):
+    if attention_impl == "pallas" and name not in ("qwen3", "mistral", "gemma3_text", "gemma2"):
         pytest.skip("the kernel on Llama and Qwen2 shapes is tested elsewhere")
+    if layer_loop == "scan" and name not in MIXED + EXPERTS:
+        pytest.skip("a scanned stack of layers alike is tested elsewhere (tests/test_layer_loop.py)")
     with torch.no_grad():
         ref = model.generate(torch.tensor(prompt), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
     want = ref.sequences[0, PROMPT:].tolist()
     want_logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(ref.logits, want)]
-    got = jaxspec.generate(load_model(path), [prompt[0].tolist()], max_new_tokens=NEW_TOKENS, logprobs=0,
-                           ignore_eos=True, attention_impl=attention_impl)
+    got = jaxspec.generate(load_model(path, layer_loop=layer_loop), [prompt[0].tolist()], max_new_tokens=NEW_TOKENS,
+                           logprobs=0, ignore_eos=True, attention_impl=attention_impl)
     assert got.token_ids[0] == want
     np.testing.assert_allclose([t.logprob for t in got.logprobs[0]], want_logprobs, atol=2e-4)
 
@@ -114,25 +153,38 @@ def test_greedy_speculative_equals_plain(checkpoint, prompt, method):
     assert fast.stats.drafted > 0 and fast.stats.accepted > 0, fast.stats
 
 
-def test_the_window_is_what_makes_mistral_agree(checkpoint, prompt):
-    """Negative control: the same Mistral weights with the window dropped give other logits past the window, so
-    the tests above would catch a window that is ignored."""
+# What each architecture's agreement rests on: the config fields a control drops, and whether the logits of the
+# first WINDOW positions (where no query reaches past a window) must still agree.
+_CONTROLS = {
+    "mistral": [(dict(sliding_window=None), True)],
+    "qwen2_windows": [(dict(sliding_window=None, layer_types=None), True)],
+    "gemma3_text": [(dict(sliding_window=None, layer_types=None, sliding_rope=None), False),
+                    (dict(sliding_rope=None), False)],
+    "gemma2": [(dict(sliding_window=None, layer_types=None), True), (dict(attn_logit_softcapping=None), False),
+               (dict(final_logit_softcapping=None), False)],
+}
+
+
+def test_windows_ropes_and_caps_are_what_make_them_agree(checkpoint, prompt):
+    """Negative controls: the same weights with a window, the local layers' rotary settings or a soft-cap dropped
+    give other logits (past the window, for a window), so the tests above would catch one that is ignored."""
     name, model, path = checkpoint
-    if name != "mistral":
-        pytest.skip("the window control is Mistral's")
-    lm = load_model(path)
-    graphdef, params = nnx.split(lm.module)
-    unwindowed = nnx.merge(graphdef, params)
-    for _, sub in nnx.iter_graph(unwindowed):
-        if hasattr(sub, "cfg"):
-            sub.cfg = dataclasses.replace(sub.cfg, sliding_window=None)
+    if name not in _CONTROLS:
+        pytest.skip("no window, rotary settings of its own or soft-cap to drop")
     with torch.no_grad():
         want = model(torch.tensor(prompt)).logits.numpy()
-    positions = np.arange(PROMPT, dtype=np.int32)[None]
-    out, _ = unwindowed(prompt.astype(np.int32), positions, unwindowed.new_cache(1, PROMPT), cached_slots=0)
-    got = np.asarray(out.logits)
-    np.testing.assert_allclose(got[:, :WINDOW], want[:, :WINDOW], atol=2e-4, rtol=1e-4)  # no query sees past it
-    assert np.abs(got[:, WINDOW:] - want[:, WINDOW:]).max() > 0.1
+    graphdef, params = nnx.split(load_model(path).module)
+    for dropped, early_agree in _CONTROLS[name]:
+        changed = nnx.merge(graphdef, params)
+        for _, sub in nnx.iter_graph(changed):
+            if hasattr(sub, "cfg"):
+                sub.cfg = dataclasses.replace(sub.cfg, **dropped)
+        positions = np.arange(PROMPT, dtype=np.int32)[None]
+        out, _ = changed(prompt.astype(np.int32), positions, changed.new_cache(1, PROMPT), cached_slots=0)
+        got = np.asarray(out.logits)
+        if early_agree:  # no query sees past the window
+            np.testing.assert_allclose(got[:, :WINDOW], want[:, :WINDOW], atol=2e-4, rtol=1e-4)
+        assert np.abs(got[:, WINDOW:] - want[:, WINDOW:]).max() > 0.1, dropped
 
 
 def _config(**fields):
@@ -142,18 +194,29 @@ def _config(**fields):
 
 
 @pytest.mark.parametrize("config, message", [
-    (_config(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"]),
-     r"model_type 'gemma3_text' is not supported; jaxspec runs llama \(LlamaForCausalLM\), mistral"),
-    (_config(model_type="mixtral", architectures=["MixtralForCausalLM"]), "model_type 'mixtral' is not supported"),
-    (_config(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "model_type 'qwen3_moe'"),
+    (_config(model_type="gemma", architectures=["GemmaForCausalLM"]),
+     r"model_type 'gemma' is not supported; jaxspec runs llama \(LlamaForCausalLM\), mistral"),
+    (_config(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
+     r"model_type 'gemma3' is Gemma 3's image-and-text model \(Gemma3ForConditionalGeneration\), which is not "
+     r"supported; jaxspec runs Gemma 3's text decoder from a 'gemma3_text' checkpoint \(Gemma3ForCausalLM\)"),
+    (_config(model_type="gemma3_text", use_bidirectional_attention=True), "'use_bidirectional_attention' is true"),
+    (_config(model_type="gemma2", hidden_activation="gelu"), r"'hidden_activation'='gelu'; this decoder's MLP gates"),
+    (_config(model_type="gemma2", query_pre_attn_scalar=-1), "query_pre_attn_scalar=-1.0 must be None or a positive"),
+    (_config(model_type="gemma3_text", layer_types=["sliding_attention"]),
+     "field 'layer_types' has 1 entries; 'num_hidden_layers' is 2"),
+    (_config(model_type="gemma3_text", layer_types=["sliding_attention", "chunked_attention"]),
+     r"'layer_types' holds \['chunked_attention'\]"),
+    (_config(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"]),
+     "model_type 'deepseek_v3' is not supported"),
+    (_config(model_type="mixtral", num_experts_per_tok=2), "field 'num_local_experts' is missing"),
+    (_config(model_type="mixtral", num_local_experts=4, num_experts_per_tok=5),
+     r"experts_per_token=5 must be in \[1, num_experts=4\]"),
+    (_config(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             mlp_only_layers=[0]), "layers with a dense MLP among the experts'"),
     (_config(model_type="llama", architectures=["LlamaForSequenceClassification"]),
      r"architectures \['LlamaForSequenceClassification'\] is not supported for model_type 'llama'"),
-    (_config(model_type="llama", hidden_act="gelu"), r"'hidden_act'='gelu'; this decoder's MLP is SwiGLU"),
+    (_config(model_type="llama", hidden_act="gelu"), r"'hidden_act'='gelu'; this decoder's MLP gates with one of"),
     (_config(model_type="llama", mlp_bias=True), "'mlp_bias' is true"),
-    (_config(model_type="qwen2", sliding_window=16, layer_types=["full_attention", "sliding_attention"]),
-     r"windowed attention on some layers only \(1 of 2\)"),
-    (_config(model_type="qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=1),
-     r"windowed attention on some layers only \(1 of 2\)"),
     (_config(model_type="mistral", sliding_window=0), "sliding_window=0 must be None or a positive int"),
 ])
 def test_other_architectures_are_refused_by_name(tmp_path, config, message):
@@ -162,19 +225,70 @@ def test_other_architectures_are_refused_by_name(tmp_path, config, message):
         load_model(tmp_path)
 
 
-def test_qwen_windows_on_every_layer_are_read():
+def test_qwen_windows_are_read_as_transformers_reads_them():
     config = _config(model_type="qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=0)
-    assert ModelConfig.from_hf(config).sliding_window == 16
+    assert (ModelConfig.from_hf(config).sliding_window, ModelConfig.from_hf(config).layer_types) == (16, None)
     assert ModelConfig.from_hf({**config, "use_sliding_window": False}).sliding_window is None
+    mixed = ModelConfig.from_hf({**config, "max_window_layers": 1})
+    assert (mixed.sliding_window, mixed.layer_types) == (16, ("full_attention", "sliding_attention"))
+    assert [mixed.layer_window(i) for i in range(2)] == [None, 16]
+    # transformers drops the window of every layer when use_sliding_window is false, whatever layer_types says.
+    unused = {**config, "use_sliding_window": False, "layer_types": ["full_attention", "sliding_attention"]}
+    assert ModelConfig.from_hf(unused).sliding_window is None
 
 
-def test_a_deferred_write_sees_the_window_as_a_written_one(checkpoint, prompt):
+def test_gemma_configs_take_transformers_defaults():
+    """What a Gemma config leaves out is what transformers' config classes fill in: the interleaving, window,
+    attention scalar, soft-caps and (Gemma 3, earlier configs) rope_local_base_freq."""
+    gemma3 = ModelConfig.from_hf(_config(model_type="gemma3_text", num_hidden_layers=7, head_dim=16,
+                                         rope_theta=5e5, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                         rope_local_base_freq=2e4))
+    assert gemma3.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    assert (gemma3.sliding_window, gemma3.query_pre_attn_scalar, gemma3.tie_word_embeddings) == (4096, 256.0, True)
+    assert (gemma3.rope.theta, gemma3.rope.rope_type, gemma3.rope.factor) == (5e5, "linear", 8.0)
+    assert (gemma3.sliding_rope.theta, gemma3.sliding_rope.rope_type) == (2e4, "default")
+    assert gemma3.layer_rope(0) == gemma3.sliding_rope and gemma3.layer_rope(5) == gemma3.rope
+    assert (gemma3.attn_logit_softcapping, gemma3.final_logit_softcapping, gemma3.hidden_act) == (
+        None, None, "gelu_pytorch_tanh")
+    gemma2 = ModelConfig.from_hf(_config(model_type="gemma2", num_hidden_layers=3))
+    assert gemma2.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping, gemma2.sliding_rope) == (50.0, 30.0, None)
+    uncapped = ModelConfig.from_hf(_config(model_type="gemma2", attn_logit_softcapping=None,
+                                           final_logit_softcapping=None))
+    assert (uncapped.attn_logit_softcapping, uncapped.final_logit_softcapping) == (None, None)
+
+
+def test_fewer_layers_keep_the_first_layers_kinds():
+    """A self-draft's config (`replace(cfg, num_layers=N)`) keeps the first N layers' kinds; one kind folds into
+    the uniform form, with no window when every kept layer attends fully."""
+    cfg = ModelConfig.from_hf(_config(model_type="gemma3_text", num_hidden_layers=3, sliding_window=8,
+                                      layer_types=["full_attention", "sliding_attention", "full_attention"]))
+    two = dataclasses.replace(cfg, num_layers=2)
+    assert (two.layer_types, two.sliding_window) == (("full_attention", "sliding_attention"), 8)
+    one = dataclasses.replace(cfg, num_layers=1)
+    assert (one.layer_types, one.sliding_window, one.layer_rope(0)) == (None, None, cfg.rope)
+    with pytest.raises(ValueError, match="layer_types has 3 entries; num_layers=4 needs one a layer"):
+        dataclasses.replace(cfg, num_layers=4)
+    with pytest.raises(ValueError, match="layer_types marks 'sliding_attention' layers, but sliding_window is None"):
+        dataclasses.replace(cfg, sliding_window=None)
+
+
+def test_an_eagle_head_on_gemma_is_a_llama_layer():
+    cfg = ModelConfig.from_hf(_config(model_type="gemma2", head_dim=16))
+    layer = EagleHead(cfg, rngs=nnx.Rngs(0)).layer
+    assert layer.attn_output_norm is None and layer.mlp_output_norm is None and not layer.input_norm.plus_one
+    assert layer.mlp.activation == "silu" and layer.attn.cfg.attention_scale == 16 ** -0.5
+    assert layer.attn.cfg.attn_logit_softcapping is None
+
+
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_a_deferred_write_sees_the_window_as_a_written_one(checkpoint, prompt, layer_loop):
     """The multi-width verify reads the cache beside the new tokens' K/V instead of writing them first
     (`write_cache=False`): past the window both must mask the same keys."""
     name, _, path = checkpoint
-    if name != "mistral":
-        pytest.skip("the window is Mistral's")
-    model = load_model(path).module
+    if name not in WINDOWED:
+        pytest.skip("no window")
+    model = load_model(path, layer_loop=layer_loop).module
     ids = prompt.astype(np.int32)
     _, cache = model(ids, np.arange(PROMPT, dtype=np.int32)[None], model.new_cache(1, 64), cached_slots=0)
     cache = cache.replace(lengths=cache.lengths + PROMPT)

@@ -49,10 +49,11 @@ def _gguf_tensors(rng) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in t.items()}
 
 
-def write_gguf(path, *, tensors=None, block_count=L, skip_field=None):
-    """A tiny llama GGUF (float32 tensors, a byte-level vocabulary of V tokens) that load_model accepts."""
+def write_gguf(path, *, tensors=None, block_count=L, skip_field=None, arch="llama"):
+    """A tiny llama GGUF (float32 tensors, a byte-level vocabulary of V tokens) that load_model accepts (of another
+    `arch`, the same metadata and tensors under that architecture's name)."""
     tensors = _gguf_tensors(np.random.default_rng(0)) if tensors is None else tensors
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     fields = {"block_count": block_count, "embedding_length": D, "feed_forward_length": F, "head_count": H,
               "head_count_kv": KV, "context_length": 128}
     for name, value in fields.items():
@@ -73,6 +74,12 @@ def write_gguf(path, *, tensors=None, block_count=L, skip_field=None):
 def test_a_tiny_gguf_loads(tmp_path):
     lm = load_model(write_gguf(tmp_path / "tiny.gguf"))
     assert (lm.config.num_layers, lm.config.hidden_size, lm.config.vocab_size) == (L, D, V)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_is_refused_by_name(tmp_path, arch):
+    _raises(lambda: load_model(write_gguf(tmp_path / f"{arch}.gguf", arch=arch)),
+            f"architecture '{arch}' is not supported", "Gemma 2 and Gemma 3 load from Hugging Face directories")
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.999])

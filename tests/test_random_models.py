@@ -15,8 +15,14 @@ from jaxspec.models.random_shapes import RANDOM_SHAPES, _uniform, random_config
 
 # Parameter counts of the published checkpoints (a tied head counted once).
 # Qwen3-8B: its safetensors index's total_size, 16,381,470,720 bytes of bfloat16.
+# Gemma-3-12B's text decoder (the checkpoint also holds a vision tower, not counted): from its config.json,
+# V D + L (D (H + 2 Hkv) hd + H hd D + 3 D F + 4 D + 2 hd) + D with V=262208, D=3840, L=48, H=16, Hkv=8, hd=256,
+# F=15360 (embedding tied; per layer q/k/v/o, gate/up/down, four norms and the q/k norms; the final norm), which
+# is also what transformers' Gemma3ForCausalLM of that config holds, less its tied head.
+# Qwen3-30B-A3B: its safetensors index's total_size, 61,064,245,248 bytes of bfloat16.
 PUBLISHED_PARAMETERS = {"smollm2-135m": 134_515_008, "llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
-                        "qwen3-8b": 8_190_735_360}
+                        "qwen3-8b": 8_190_735_360, "gemma-3-12b": 11_766_034_176,
+                        "qwen3-30b-a3b": 30_532_122_624}
 
 
 def parameter_count(name: str) -> int:
