@@ -615,7 +615,9 @@ def build_module(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> Llam
         needed = tuple(param.get_value().shape)
         if needed != value.shape:
             raise ValueError(f"weight {name!r} has shape {value.shape}, the config needs {needed}")
-        param.set_value(jnp.asarray(value, dt))
+        # Waited for: the copy to the device runs asynchronously and holds `value` until it is done, so a load
+        # that ran ahead of its copies (a busy machine) would hold many tensors at once.
+        param.set_value(jnp.asarray(value, dt).block_until_ready())
 
     embed = take("model.embed_tokens.weight")
     assign(module.embed, embed, "model.embed_tokens.weight")
