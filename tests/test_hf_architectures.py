@@ -297,3 +297,39 @@ def test_a_deferred_write_sees_the_window_as_a_written_one(checkpoint, prompt, l
     written, _ = model(new, positions, cache)
     deferred, _ = model(new, positions, cache, write_cache=False)
     np.testing.assert_allclose(np.asarray(deferred.logits), np.asarray(written.logits), atol=1e-5, rtol=1e-5)
+
+
+def _word_tokenizer(path, words: list[str]) -> None:
+    """A word-level tokenizer.json over `words` (ids in order), as a checkpoint directory carries it."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_a_smaller_checkpoint_of_the_family_drafts(tmp_path):
+    """draft_model with another checkpoint of the target's family and tokenizer, here a one-layer Qwen3 saved in
+    its own directory beside the two-layer target (sharing its embeddings and first layer, so its drafts agree
+    often): greedy equals plain with drafts accepted. The same draft with another tokenizer is refused."""
+    config_class, model_class, extra = ARCHITECTURES["qwen3"]
+    torch.manual_seed(0)
+    target = model_class(config_class(**{**_SHAPE, **extra})).eval()
+    small = model_class(config_class(**{**_SHAPE, **extra, "num_hidden_layers": 1})).eval()
+    small.load_state_dict({k: v for k, v in target.state_dict().items() if ".layers.1." not in k})
+    words = [f"w{i}" for i in range(VOCAB)]
+    for model, name in ((target, "target"), (small, "draft")):
+        model.save_pretrained(tmp_path / name)
+        _word_tokenizer(tmp_path / name, words)
+    lm, draft = load_model(tmp_path / "target"), load_model(tmp_path / "draft")
+    assert draft.config.num_layers == 1 and draft.tokenizer is not None
+    prompts = [" ".join(words[i] for i in np.random.default_rng(2).integers(0, VOCAB, PROMPT))]
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=3, draft_model=draft)
+    plain = jaxspec.generate(lm, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    fast = jaxspec.generate(lm, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, spec=spec)
+    assert fast.token_ids == plain.token_ids
+    assert fast.stats.drafted > 0 and fast.stats.accepted > 0, fast.stats
+    _word_tokenizer(tmp_path / "draft", words[:5] + ["other"] + words[6:])
+    with pytest.raises(ValueError, match="has another tokenizer than the target"):
+        jaxspec.generate(lm, prompts, max_new_tokens=4, spec=SpecConfig(method="draft_model",
+                                                                         draft_model=load_model(tmp_path / "draft")))
