@@ -18,18 +18,20 @@ from safetensors.numpy import save_file
 
 LIMIT = 1.3  # peak resident bytes above the process's own, per parameter byte
 
-# A child process: the baseline is taken once jax has started its CPU backend, so what remains is the load's.
+# A child process: the baseline is taken once jax has started its CPU backend, so what remains is the load's. The
+# peak is the process's own high-water mark (VmHWM), not getrusage's ru_maxrss, which Linux carries across exec
+# from the forked parent: a child of a pytest worker holding 5 GB would report 5 GB before it loads anything.
 CHILD = r"""
-import resource, sys
+import sys
 import jax.numpy as jnp
 jnp.zeros(1).block_until_ready()
 from jaxspec.models.loading import load_model
-def resident():
+def status(key):
     with open("/proc/self/status") as f:
-        return 1024 * int(next(line for line in f if line.startswith("VmRSS")).split()[1])
-before = resident()
+        return 1024 * int(next(line for line in f if line.startswith(key)).split()[1])
+before = status("VmRSS")
 lm = load_model(sys.argv[1])
-print(before, 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(before, status("VmHWM"))
 """
 
 
