@@ -72,3 +72,4 @@ bench: install
 		--write-page
 	$(PYTHON) scripts/bench_kernel.py profile --api generate --method sam --prompts 1 --samples 1 --temperature 0 \
 		--top 5 --threads 2 --write-page
+	$(PYTHON) scripts/bench_kernel.py moe --tokens 1,2,8,16,64 --repeats 5 --write-page

@@ -353,10 +353,11 @@ class MoE(nnx.Module):
     their outputs are summed weighted by the router's softmax over the k (renormalised to sum to one, or, with
     `normalize_expert_weights` off, as they are).
 
-    Two exact ways to run them, chosen statically by size: with fewer token-expert pairs than experts (decoding)
+    Two exact ways to run them, chosen statically by size: with few token-expert pairs (decoding a row or a few)
     each token gathers its k experts' weights, so a step reads k experts per token rather than all E; with more
-    (prefill, wide verification) every expert runs on every token and the router's weights, zero outside the k,
-    combine them. The experts' axis is the one tensor parallelism splits (`ShardingRules.experts`): each device
+    (prefill, wide verification, many rows) every expert runs on every token and the router's weights, zero outside
+    the k, combine them. Gathering passes over N k experts' weights three times (read, written as the gathered copy,
+    read by the product) where running all of them passes over E once, so it is chosen while 3 N k <= E. The experts' axis is the one tensor parallelism splits (`ShardingRules.experts`): each device
     holds E / n whole experts."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -383,21 +384,28 @@ class MoE(nnx.Module):
         gate, up = jnp.split(h, 2, axis=-1)
         return _ACTIVATIONS[self.activation](gate) * up
 
+    def gathered(self, rows: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """[N, D] from token rows [N, D] and their routing (weights f32[N, k], experts i32[N, k]): each token's k
+        experts' weights gathered and run on it alone."""
+        gate_up = jnp.take(self.expert_gate_up[...], experts, axis=0)  # [N, k, 2F, D]
+        h = self._gated(jnp.einsum("nd,nkfd->nkf", rows, gate_up))  # [N, k, F]
+        down = jnp.take(self.expert_down[...], experts, axis=0)  # [N, k, D, F]
+        return jnp.einsum("nkf,nkdf,nk->nd", h, down, weights.astype(h.dtype))
+
+    def dense(self, rows: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """As `gathered`, with every expert run on every token and combined by the routing weights, zero outside
+        each token's k."""
+        h = self._gated(jnp.einsum("nd,efd->nef", rows, self.expert_gate_up[...]))  # [N, E, F]
+        combine = jnp.zeros((rows.shape[0], self.router.shape[0]), h.dtype)  # [N, E]
+        combine = combine.at[jnp.arange(rows.shape[0])[:, None], experts].set(weights.astype(h.dtype))
+        return jnp.einsum("nef,edf,ne->nd", h, self.expert_down[...], combine)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
         rows = x.reshape(-1, x.shape[-1])  # [N, D]
         weights, experts = self.route(rows)  # [N, k]
-        num_experts = self.router.shape[0]
-        if rows.shape[0] * self.top_k < num_experts:
-            gate_up = jnp.take(self.expert_gate_up[...], experts, axis=0)  # [N, k, 2F, D]
-            h = self._gated(jnp.einsum("nd,nkfd->nkf", rows, gate_up))  # [N, k, F]
-            down = jnp.take(self.expert_down[...], experts, axis=0)  # [N, k, D, F]
-            out = jnp.einsum("nkf,nkdf,nk->nd", h, down, weights.astype(h.dtype))
-        else:
-            h = self._gated(jnp.einsum("nd,efd->nef", rows, self.expert_gate_up[...]))  # [N, E, F]
-            dense = jnp.zeros((rows.shape[0], num_experts), h.dtype)  # [N, E]: zero outside each token's k
-            dense = dense.at[jnp.arange(rows.shape[0])[:, None], experts].set(weights.astype(h.dtype))
-            out = jnp.einsum("nef,edf,ne->nd", h, self.expert_down[...], dense)
+        few = 3 * rows.shape[0] * self.top_k <= self.router.shape[0]  # static: see the class's docstring
+        out = (self.gathered if few else self.dense)(rows, weights, experts)
         return out.reshape(x.shape).astype(x.dtype)
 
 

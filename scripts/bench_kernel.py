@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """The kernels and devices: verification attention on a GPU (Pallas against XLA), the CPU matmul kernel's verify
-cost, the model on device meshes, and a decode step against the device's roofline.
+cost, the model on device meshes, a decode step against the device's roofline, and a mixture of experts' MLP.
 
     python scripts/bench_kernel.py [ARGS]               # verification attention on a GPU (below)
     python scripts/bench_kernel.py verify-cost [ARGS]   # c(T): XLA's matmul, the CPU kernel (benchkit/verify_cost.py)
     python scripts/bench_kernel.py mesh measure|layout|estimate [ARGS]   # device meshes (benchkit/mesh.py)
     python scripts/bench_kernel.py roofline [ARGS]      # a decode step against its roofline (benchkit/roofline.py)
     python scripts/bench_kernel.py profile [ARGS]       # where the time goes: a profiler trace (benchkit/profile.py)
+    python scripts/bench_kernel.py moe [ARGS]           # a mixture of experts' MLP, three ways (benchkit/moe.py)
 
 Verification attention on a GPU: the Pallas kernel against XLA's attention, side by side.
 
@@ -124,7 +125,7 @@ def measure(args, batch: int, num_new: int, num_slots: int, rng: np.random.Gener
 
 
 MODES = {"verify-cost": "benchkit.verify_cost", "mesh": "benchkit.mesh", "roofline": "benchkit.roofline",
-         "profile": "benchkit.profile"}
+         "profile": "benchkit.profile", "moe": "benchkit.moe"}
 
 
 def main(argv=None) -> int:

@@ -58,10 +58,11 @@ ARCHITECTURES = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
                dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
                     final_logit_softcapping=4.0, eos_token_id=None)),
-    # Mixtures of 4 experts, 2 a token: Mixtral renormalises the two weights, this Qwen3-MoE (norm_topk_prob off)
-    # keeps them as the softmax over all four gave them.
+    # Mixtures of experts, 2 a token: Mixtral renormalises the two weights, this Qwen3-MoE (norm_topk_prob off)
+    # keeps them as the softmax over all four gave them. Mixtral's 8 experts are gathered for one token a step
+    # (3 N k <= E) and all run for more; Qwen3-MoE's 4 always all run.
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
-                dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+                dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2)),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                        norm_topk_prob=False, rope_theta=1e6)),
@@ -103,7 +104,7 @@ def test_logits_equal_transformers(checkpoint, prompt, layer_loop):
     name, model, path = checkpoint
     lm = load_model(path, layer_loop=layer_loop)
     assert lm.config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3_text"))
-    assert lm.config.num_experts == (4 if name in EXPERTS else 0)
+    assert lm.config.num_experts == {"mixtral": 8, "qwen3_moe": 4}.get(name, 0)
     assert lm.config.sliding_window == (WINDOW if name in WINDOWED else None)
     assert lm.config.layer_types == (tuple(model.config.layer_types) if name in MIXED else None)
     assert lm.config.gemma_norms == name.startswith("gemma")

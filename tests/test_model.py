@@ -186,3 +186,26 @@ def test_the_default_dtype_is_the_platforms(monkeypatch):
     assert jaxspec.load_model("random:smollm2-135m", dtype="float32", layer_loop="unroll").config.dtype == "float32"
     with pytest.raises(ValueError, match="dtype='float16' must be None, 'float32' or 'bfloat16'"):
         jaxspec.load_model("random:smollm2-135m", dtype="float16")
+
+
+def test_the_two_ways_to_run_experts_agree():
+    """A mixture's MLP gathers each token's experts when few tokens come (3 N k <= E) and runs them all otherwise:
+    the two give the same outputs, and the router's renormalisation is the one the config asks for."""
+    from flax import nnx
+
+    from jaxspec.models.config import ModelConfig
+    from jaxspec.models.llama import MoE
+
+    for normalize in (True, False):
+        cfg = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=12, num_layers=1, num_heads=2,
+                          num_kv_heads=1, head_dim=8, num_experts=12, experts_per_token=2,
+                          normalize_expert_weights=normalize)
+        moe = MoE(cfg, nnx.Rngs(0))
+        moe.router[...] = moe.router[...] * 50  # routing far from uniform
+        rows = jax.random.normal(jax.random.key(1), (5, 16))
+        weights, experts = moe.route(rows)
+        assert np.allclose(np.asarray(weights.sum(-1)), 1.0) == normalize
+        np.testing.assert_allclose(np.asarray(moe.gathered(rows, weights, experts)),
+                                   np.asarray(moe.dense(rows, weights, experts)), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(moe(rows[None, :2])[0]), np.asarray(moe.gathered(rows[:2], *moe.route(
+            rows[:2]))), rtol=1e-6, atol=1e-7)  # two tokens: 3 * 2 * 2 <= 12, gathered
