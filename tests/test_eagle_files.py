@@ -73,18 +73,12 @@ def _write(path, config: dict, weights: dict) -> str:
     return str(path)
 
 
-def _reference_forward(w: dict, config: dict, embeds: np.ndarray, aux: np.ndarray, norm_before_residual: bool):
-    """One sequence through the reference drafter (numpy, float64), every position attending causally:
-    embeds [T, D], aux [T, 3 D_t] -> (the fed-back hidden state [T, D], logits over the target vocabulary [T, V],
-    -inf outside the draft vocabulary)."""
-    eps, hd = config["rms_norm_eps"], config["head_dim"]
-    h, hkv = config["num_attention_heads"], config["num_key_value_heads"]
-    p = "midlayer."
-    hidden = aux @ w["fc.weight"].T.astype(np.float64)
-    normed = rms_norm(hidden, w[p + "hidden_norm.weight"], eps)
-    residual = normed if norm_before_residual else hidden
-    x = np.concatenate([rms_norm(embeds, w[p + "input_layernorm.weight"], eps), normed], axis=-1)
-    q, k, v = (x @ w[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+def _reference_layer(w: dict, prefix: str, config: dict, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """A drafter's decoder layer as vLLM's forward runs it (numpy, float64), every position attending causally:
+    attention over x [T, D_in] (its input already normed as the drafter norms it) added to `residual` [T, D], then
+    the MLP over the normed sum added to it -> [T, D]."""
+    hd, h, hkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    q, k, v = (x @ w[f"{prefix}self_attn.{n}_proj.weight"].T for n in "qkv")
     T = len(x)
     inv_freq = rope_inverse_frequencies(hd, config["rope_theta"], None)
     q = np.stack([[apply_rope(q[t, i * hd:(i + 1) * hd], t, inv_freq) for i in range(h)] for t in range(T)])
@@ -97,13 +91,22 @@ def _reference_forward(w: dict, config: dict, embeds: np.ndarray, aux: np.ndarra
             scores = k[: t + 1, g] @ q[t, i] / np.sqrt(hd)
             weights = np.exp(scores - scores.max())
             out[t, i] = (weights / weights.sum()) @ v[: t + 1, g]
-    residual = residual + out.reshape(T, h * hd) @ w[p + "self_attn.o_proj.weight"].T
-    y = rms_norm(residual, w[p + "post_attention_layernorm.weight"], eps)
-    y = silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)
-    y = y @ w[p + "mlp.down_proj.weight"].T
-    prenorm = y + residual
+    residual = residual + out.reshape(T, h * hd) @ w[f"{prefix}self_attn.o_proj.weight"].T
+    y = rms_norm(residual, w[f"{prefix}post_attention_layernorm.weight"], config["rms_norm_eps"])
+    y = silu(y @ w[f"{prefix}mlp.gate_proj.weight"].T) * (y @ w[f"{prefix}mlp.up_proj.weight"].T)
+    return residual + y @ w[f"{prefix}mlp.down_proj.weight"].T
+
+
+def _reference_forward(w: dict, config: dict, embeds: np.ndarray, aux: np.ndarray, norm_before_residual: bool):
+    """One sequence through the reference EAGLE-3 drafter: embeds [T, D], aux [T, 3 D_t] -> (the fed-back hidden
+    state [T, D], logits over the target vocabulary [T, V], -inf outside the draft vocabulary)."""
+    eps = config["rms_norm_eps"]
+    hidden = aux @ w["fc.weight"].T.astype(np.float64)
+    normed = rms_norm(hidden, w["midlayer.hidden_norm.weight"], eps)
+    x = np.concatenate([rms_norm(embeds, w["midlayer.input_layernorm.weight"], eps), normed], axis=-1)
+    prenorm = _reference_layer(w, "midlayer.", config, x, normed if norm_before_residual else hidden)
     draft_logits = rms_norm(prenorm, w["norm.weight"], eps) @ w["lm_head.weight"].T  # [T, N]
-    logits = np.full((T, config["vocab_size"]), -np.inf)
+    logits = np.full((len(x), config["vocab_size"]), -np.inf)
     logits[:, np.arange(len(w["d2t"])) + w["d2t"]] = draft_logits
     return prenorm, logits
 
@@ -154,22 +157,35 @@ def jaxspec_state(head):
     return nnx.state(head)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c, w: c.update(architectures=["Eagle3Speculator"]), "not an EAGLE-3 drafter in its authors' layout"),
-    (lambda c, w: c.update(num_hidden_layers=2), "num_hidden_layers"),
-    (lambda c, w: c.update(vocab_size=65), "vocab_size"),
-    (lambda c, w: c.update(target_hidden_size=32), "target_hidden_size"),
-    (lambda c, w: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}), "id 0"),
-    (lambda c, w: c.update(attention_bias=True), "attention_bias"),
-    (lambda c, w: w.pop("midlayer.hidden_norm.weight"), "missing"),
-    (lambda c, w: w.update(d2t=w["d2t"] + 100), "d2t"),
+def _drafters():
+    """kind -> (a config.json of that kind, its weights, its loader)."""
+    return {"eagle3": (_config, _weights, load_reference_eagle3),
+            "eagle": (_eagle1_config, _eagle1_weights, load_reference_eagle)}
+
+
+@pytest.mark.parametrize("kind, change, message", [
+    ("eagle3", lambda c, w: c.update(architectures=["Eagle3Speculator"]),
+     "not an EAGLE-3 drafter in its authors' layout"),
+    ("eagle3", lambda c, w: c.update(num_hidden_layers=2), "num_hidden_layers"),
+    ("eagle3", lambda c, w: c.update(vocab_size=65), "vocab_size"),
+    ("eagle3", lambda c, w: c.update(target_hidden_size=32), "target_hidden_size"),
+    ("eagle3", lambda c, w: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}), "id 0"),
+    ("eagle3", lambda c, w: c.update(attention_bias=True), "attention_bias"),
+    ("eagle3", lambda c, w: w.pop("midlayer.hidden_norm.weight"), "missing"),
+    ("eagle3", lambda c, w: w.update(d2t=w["d2t"] + 100), "d2t"),
+    ("eagle", lambda c, w: c.update(num_hidden_layers=2), "num_hidden_layers"),
+    ("eagle", lambda c, w: c.update(vocab_size=65), "vocab_size"),
+    ("eagle", lambda c, w: w.pop("layers.0.mlp.up_proj.weight"), "missing"),
+    ("eagle", lambda c, w: w.update({"layers.0.self_attn.q_proj.weight": w["layers.0.self_attn.q_proj.weight"][:, :4]}),
+     "other shapes"),
 ])
-def test_what_the_drafter_cannot_run_is_refused_by_name(tmp_path, change, message):
-    config = _config()
-    weights = _weights(config, np.random.default_rng(3))
+def test_what_a_drafter_cannot_run_is_refused_by_name(tmp_path, kind, change, message):
+    make_config, make_weights, load = _drafters()[kind]
+    config = make_config()
+    weights = make_weights(config, np.random.default_rng(3))
     change(config, weights)
     with pytest.raises(ValueError, match=message):
-        load_reference_eagle3(_write(tmp_path / "d", config, weights), TARGET)
+        load(_write(tmp_path / "d", config, weights), TARGET)
 
 
 @pytest.fixture(scope="module")
@@ -278,26 +294,10 @@ def _eagle1_weights(config: dict, rng: np.random.Generator, bias: bool = True) -
 
 
 def _eagle1_reference(w: dict, config: dict, embeds: np.ndarray, features: np.ndarray) -> np.ndarray:
-    """One sequence through the EAGLE authors' drafter (numpy, float64), positions attending causally: fc over
-    [embedding; feature], a layer without its input norm, no final norm -> the predicted features [T, D]."""
-    hd, h, hkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    """One sequence through the EAGLE authors' EAGLE-1 drafter: fc over [embedding; feature], a layer without its
+    input norm, no final norm -> the predicted features [T, D]."""
     x = np.concatenate([embeds, features], axis=-1) @ w["fc.weight"].T + w.get("fc.bias", 0.0)
-    q, k, v = (x @ w[f"layers.0.self_attn.{n}_proj.weight"].T for n in "qkv")
-    T = len(x)
-    inv_freq = rope_inverse_frequencies(hd, config["rope_theta"], None)
-    q = np.stack([[apply_rope(q[t, i * hd:(i + 1) * hd], t, inv_freq) for i in range(h)] for t in range(T)])
-    k = np.stack([[apply_rope(k[t, i * hd:(i + 1) * hd], t, inv_freq) for i in range(hkv)] for t in range(T)])
-    v = v.reshape(T, hkv, hd)
-    out = np.zeros((T, h, hd))
-    for t in range(T):
-        for i in range(h):
-            scores = k[: t + 1, i // (h // hkv)] @ q[t, i] / np.sqrt(hd)
-            weights = np.exp(scores - scores.max())
-            out[t, i] = (weights / weights.sum()) @ v[: t + 1, i // (h // hkv)]
-    x = x + out.reshape(T, h * hd) @ w["layers.0.self_attn.o_proj.weight"].T
-    y = rms_norm(x, w["layers.0.post_attention_layernorm.weight"], config["rms_norm_eps"])
-    y = silu(y @ w["layers.0.mlp.gate_proj.weight"].T) * (y @ w["layers.0.mlp.up_proj.weight"].T)
-    return x + y @ w["layers.0.mlp.down_proj.weight"].T
+    return _reference_layer(w, "layers.0.", config, x, x)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -319,21 +319,6 @@ def test_eagle1_drafter_forward_equals_the_reference_transcription(tmp_path, bia
     again, _ = load_reference_eagle(save_reference_eagle(tmp_path / "again", head), TARGET)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.leaves(jaxspec_state(again)),
                  jax.tree.leaves(jaxspec_state(head)))
-
-
-@pytest.mark.parametrize("change, message", [
-    (lambda c, w: c.update(num_hidden_layers=2), "num_hidden_layers"),
-    (lambda c, w: c.update(vocab_size=65), "vocab_size"),
-    (lambda c, w: w.pop("layers.0.mlp.up_proj.weight"), "missing"),
-    (lambda c, w: w.update({"layers.0.self_attn.q_proj.weight": w["layers.0.self_attn.q_proj.weight"][:, :4]}),
-     "other shapes"),
-])
-def test_what_the_eagle1_drafter_cannot_run_is_refused_by_name(tmp_path, change, message):
-    config = _eagle1_config()
-    weights = _eagle1_weights(config, np.random.default_rng(7))
-    change(config, weights)
-    with pytest.raises(ValueError, match=message):
-        load_reference_eagle(_write(tmp_path / "d", config, weights), TARGET)
 
 
 def test_a_llama_directory_is_not_a_drafter(tmp_path):
