@@ -19,7 +19,7 @@ from flax import nnx
 from .decode import NoProposer
 from .graphdefs import hashed
 from .models.corpus import load_corpus, shipped_corpus_path
-from .models.eagle3_files import is_reference_eagle3, load_reference_eagle3
+from .models.eagle_files import drafter_kind, load_reference_drafter
 from .models.heads import Readout, draft_vocab_path, load_draft_vocab, load_head, named_head_path
 from .models.loading import LanguageModel
 from .proposers.base import Proposer
@@ -166,10 +166,10 @@ _HEADS: dict = {}  # (path, modification time, target config) -> (graphdef, para
 
 
 def _head_file(lm: LanguageModel, spec) -> Path:
-    """The head file `spec` runs: its `head_path` (.safetensors appended when missing; an EAGLE-3 drafter's
-    directory in its authors' layout as it is), or the one shipped for `lm`."""
+    """The head file `spec` runs: its `head_path` (.safetensors appended when missing; an EAGLE or EAGLE-3
+    drafter's directory in its authors' layout as it is), or the one shipped for `lm`."""
     path = Path(spec.head_path) if spec.head_path is not None else named_head_path(lm.name, get(spec.method).head)
-    if is_reference_eagle3(path):
+    if drafter_kind(path) is not None:
         return path
     if path.suffix != ".safetensors":
         path = path.with_name(path.name + ".safetensors")
@@ -185,7 +185,7 @@ def trained_head(lm: LanguageModel, spec) -> tuple[Any, Any, dict]:
     files = sorted(path.iterdir()) if path.is_dir() else [path]
     key = (str(path.resolve()), tuple(f.stat().st_mtime_ns for f in files), lm.config)
     if key not in _HEADS:
-        head, meta = load_reference_eagle3(path, lm.config) if path.is_dir() else load_head(path, lm.config)
+        head, meta = load_reference_drafter(path, lm.config) if path.is_dir() else load_head(path, lm.config)
         graphdef, params = nnx.split(head)
         _HEADS[key] = (hashed(graphdef), params, meta)  # the proposer holding it is a static jit argument
     meta = _HEADS[key][2]

@@ -16,8 +16,8 @@ blocks of D x D; EAGLE: one fc plus one decoder layer) and ships inside the repo
   layers' outputs (low, middle, high: `eagle3_layers`), each RMS-normed and projected together to D. Its output
   is not regressed onto any target feature: it is trained only to predict tokens, through steps 2..N of its
   own drafting as well ("training-time test"), and fed back as the next step's feature.
-- `ReferenceEagle3Head`: the EAGLE-3 authors' drafter, whose checkpoints vLLM and SGLang serve
-  (`jaxspec.models.eagle3_files` reads and writes their layout); trainable here as well.
+- `ReferenceEagleHead`, `ReferenceEagle3Head`: the EAGLE authors' EAGLE-1 and EAGLE-3 drafters, whose
+  checkpoints vLLM and SGLang serve (`jaxspec.models.eagle_files` reads and writes their layout); trainable here.
 
 Heads are saved as one safetensors file (float16, half the bytes; the maths runs in float32) plus JSON
 metadata, and the ones trained for a named model are found by name (`named_head_path`). A frequency ranking of
@@ -183,6 +183,40 @@ class EagleHead(nnx.Module):
         return self.norm(x), cache.replace(k=(k,), v=(v,))
 
 
+class ReferenceEagleHead(EagleHead):
+    """The EAGLE authors' EAGLE-1 drafter (vLLM's `EagleLlamaForCausalLM`), so their checkpoints run here and heads
+    trained here run there (`jaxspec.models.eagle_files`).
+
+    Where `EagleHead` norms the layer's input and its output, this drafter feeds fc's output (with a bias where the
+    checkpoint has one) straight into attention and returns the residual stream unnormed: its output predicts the
+    target's normed final feature, scored by the target's own LM head.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, fc_bias: bool = True, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.cfg = dataclasses.replace(cfg.llama_layers(), dtype="float32")
+        self.fc = _dense_init(rngs, (d, 2 * d), jnp.float32)  # [D, 2D]: [embedding; feature] -> D
+        self.fc_bias = nnx.Param(jnp.zeros((d,), jnp.float32)) if fc_bias else None
+        self.attn = Attention(self.cfg, rngs)
+        self.post_attention_norm = RMSNorm(d, cfg.rms_norm_eps, jnp.float32)
+        self.mlp = MLP(self.cfg, rngs)
+
+    def __call__(self, embeds, features, positions, cache: KVCache, *, write_at=None, visible=None):
+        """As `EagleHead.__call__`: the predicted next features [B, T, D] and the cache with the new K/V."""
+        B, T, D = embeds.shape
+        write_at = cache.lengths if write_at is None else write_at
+        if visible is None:
+            visible = visibility_mask(write_at, T, cache.max_len)
+        x = jnp.concatenate([embeds, features], axis=-1).astype(jnp.float32)  # [B, T, 2D]
+        x = jnp.einsum("bti,oi->bto", x, self.fc[...])  # [B, T, D]
+        if self.fc_bias is not None:
+            x = x + self.fc_bias[...]
+        cos, sin = rope_tables(positions, self.cfg.rope, self.cfg.head_dim)
+        attn_out, k, v = self.attn(x, cos, sin, cache.k[0], cache.v[0], write_at, visible, "xla", None)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_norm(x)), cache.replace(k=(k,), v=(v,))
+
+
 def eagle3_layers(num_layers: int) -> tuple[int, ...]:
     """The decoder layers (0-based) whose outputs an EAGLE-3 head fuses for an L-layer target: EAGLE-3's low,
     middle and high choice, layers 2, L // 2 and L - 3 (clipped into range, and fewer when they coincide, for very
@@ -217,7 +251,7 @@ class Eagle3Head(EagleHead):
 
 class ReferenceEagle3Head(nnx.Module):
     """The EAGLE-3 authors' drafter (`LlamaForCausalLMEagle3`, as SpecForge trains it and vLLM and SGLang serve
-    it), so its checkpoints run here and heads trained here run there (`jaxspec.models.eagle3_files`).
+    it), so its checkpoints run here and heads trained here run there (`jaxspec.models.eagle_files`).
 
     Where `Eagle3Head` normalises each target layer and fuses [embedding; feature] before a standard decoder layer,
     this drafter projects the raw concatenated layers (`fc`, no bias), and its one layer attends over
@@ -295,28 +329,31 @@ class ReferenceEagle3Head(nnx.Module):
 # --------------------------------------------------------------------------------------------
 
 
-EAGLE3_ARCHITECTURES = ("fused", "reference")  # Eagle3Head, ReferenceEagle3Head
+# An EAGLE or EAGLE-3 head's architecture: jaxspec's own (EagleHead, Eagle3Head), or the EAGLE authors' drafter in
+# the layout vLLM and SGLang load (ReferenceEagleHead, ReferenceEagle3Head).
+HEAD_ARCHITECTURES = ("jaxspec", "reference")
 
 
 def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int = 0,
-             feature_layers: tuple[int, ...] | None = None, architecture: str = "fused"):
+             feature_layers: tuple[int, ...] | None = None, architecture: str = "jaxspec"):
     """A freshly initialised head of `kind` for a target of config `cfg` (ValueError naming a field it lacks).
-    An eagle3 head fuses `feature_layers` (default `eagle3_layers(cfg.num_layers)`); its `architecture` is
-    jaxspec's "fused" `Eagle3Head` or the EAGLE-3 authors' "reference" drafter (`ReferenceEagle3Head`, sharing
-    the target's LM head)."""
+    An eagle3 head fuses `feature_layers` (default `eagle3_layers(cfg.num_layers)`). An eagle or eagle3 head's
+    `architecture` is jaxspec's own ("jaxspec": `EagleHead`, `Eagle3Head`) or the EAGLE authors' ("reference":
+    `ReferenceEagleHead`, `ReferenceEagle3Head`, sharing the target's LM head)."""
+    if architecture not in HEAD_ARCHITECTURES or (architecture != "jaxspec" and kind == "medusa"):
+        raise ValueError(f"architecture={architecture!r} must be one of {HEAD_ARCHITECTURES} for an eagle or eagle3 "
+                         f"head, 'jaxspec' for medusa")
     if kind == "medusa":
         check_config(cfg, "medusa")  # the heads are sized from cfg.hidden_size
         return MedusaHeads(cfg, num_heads)
     if kind == "eagle":
         check_config(cfg, "eagle")  # the head is a Llama decoder layer sized from the target's config
-        return EagleHead(cfg, rngs=nnx.Rngs(seed))
+        return (ReferenceEagleHead if architecture == "reference" else EagleHead)(cfg, rngs=nnx.Rngs(seed))
     if kind == "eagle3":
         check_config(cfg, "eagle3")
         layers = eagle3_layers(cfg.num_layers) if feature_layers is None else tuple(feature_layers)
         if architecture == "reference":
             return ReferenceEagle3Head(cfg, layers, target_hidden=cfg.hidden_size, rngs=nnx.Rngs(seed))
-        if architecture != "fused":
-            raise ValueError(f"architecture={architecture!r} must be one of {EAGLE3_ARCHITECTURES}")
         return Eagle3Head(cfg, layers, rngs=nnx.Rngs(seed))
     raise ValueError(f"head kind={kind!r} must be 'medusa', 'eagle' or 'eagle3'")
 
@@ -372,10 +409,11 @@ def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any
     meta = {"kind": kind, "num_heads": getattr(head, "num_heads", None), **(metadata or {})}
     if getattr(head, "feature_layers", ()):
         meta["feature_layers"] = list(head.feature_layers)
-    if isinstance(head, ReferenceEagle3Head):
-        if head.lm_head is not None or head.embed is not None or head.norm_before_residual:
-            raise ValueError("a drafter with its own LM head or embedding is saved in its authors' layout "
-                             "(jaxspec.models.eagle3_files.save_reference_eagle3)")
+    if isinstance(head, ReferenceEagle3Head) and (head.lm_head is not None or head.embed is not None
+                                                  or head.norm_before_residual):
+        raise ValueError("a drafter with its own LM head or embedding is saved in its authors' layout "
+                         "(jaxspec.models.eagle_files.save_reference_eagle3)")
+    if isinstance(head, (ReferenceEagleHead, ReferenceEagle3Head)):
         meta["architecture"] = "reference"
     path.with_suffix(".json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return path
@@ -401,10 +439,10 @@ def _head_settings(meta: Any, cfg: ModelConfig, source: str) -> tuple[HeadKind, 
             raise FileError(f"{source}: field 'feature_layers' must list distinct decoder layers of this "
                             f"{cfg.num_layers}-layer model; got {describe(layers)}")
         layers = tuple(layers)
-    architecture = field(meta, "architecture", "str", source, "fused")
-    if architecture not in EAGLE3_ARCHITECTURES or (architecture != "fused" and kind != "eagle3"):
+    architecture = field(meta, "architecture", "str", source, "jaxspec")
+    if architecture not in HEAD_ARCHITECTURES or (architecture != "jaxspec" and kind == "medusa"):
         raise FileError(f"{source}: field 'architecture'={describe(architecture)} must be one of "
-                        f"{EAGLE3_ARCHITECTURES} for an eagle3 head, absent otherwise")
+                        f"{HEAD_ARCHITECTURES} for an eagle or eagle3 head, absent for medusa")
     return kind, num_heads if kind == "medusa" else 1, layers if kind == "eagle3" else None, architecture
 
 

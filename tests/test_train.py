@@ -41,8 +41,10 @@ LAYERS = (0, 1)  # the tiny model's two decoder layers, recorded for EAGLE-3
 TASKS = {"eagle": EagleTask(context=4, noise=0.05), "medusa": MedusaTask(num_heads=3),
          "eagle-unrolled": EagleTask(context=4, noise=0.05, unroll=3, unroll_decay=0.8),
          "eagle3": Eagle3Task(context=4, unroll=2),
-         "eagle3-reference": Eagle3Task(context=4, unroll=2, architecture="reference")}
-LR = {"eagle": 3e-3, "medusa": 2e-2, "eagle-unrolled": 3e-3, "eagle3": 3e-3, "eagle3-reference": 3e-3}
+         "eagle3-reference": Eagle3Task(context=4, unroll=2, architecture="reference"),
+         "eagle-reference": EagleTask(context=4, noise=0.05, architecture="reference")}
+LR = {"eagle": 3e-3, "medusa": 2e-2, "eagle-unrolled": 3e-3, "eagle3": 3e-3, "eagle3-reference": 3e-3,
+      "eagle-reference": 3e-3}
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -231,7 +233,8 @@ def runs(tiny_lm, request, readout, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-unrolled", "eagle3", "eagle3-reference"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-unrolled", "eagle3", "eagle3-reference",
+                                  "eagle-reference"])
 def test_loss_falls(runs, kind):
     result = runs(kind)
     losses = [h["loss"] for h in result.history]
@@ -264,7 +267,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(runs, kind, tiny_lm, da
     assert restarted.resumed_from is None and restarted.step == 3
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle3", "eagle3-reference"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle3", "eagle3-reference", "eagle-reference"])
 def test_export_round_trip_gives_the_same_predictions(runs, kind, tiny_lm, request, readout, tmp_path):
     result = runs(kind)
     data = _data_for(kind, request)
@@ -413,7 +416,7 @@ def test_a_reference_drafter_moves_to_its_authors_layout_and_back(runs, tiny_lm,
     """A drafter of the EAGLE-3 authors' architecture trained here is written in the layout vLLM and SGLang load
     (float32: exactly), loads back scoring every window alike, and drafts losslessly from that directory, over
     the whole vocabulary or a draft vocabulary of the first ids."""
-    from jaxspec.models.eagle3_files import load_reference_eagle3, save_reference_eagle3
+    from jaxspec.models.eagle_files import load_reference_eagle3, save_reference_eagle3
 
     trained = runs("eagle3-reference").head
     task = TASKS["eagle3-reference"]
@@ -437,6 +440,30 @@ def test_a_reference_drafter_moves_to_its_authors_layout_and_back(runs, tiny_lm,
                                spec=jaxspec.SpecConfig(method="eagle3", head_path=str(path), cost_aware=False))
         assert out.token_ids == plain.token_ids
         assert out.stats.drafted > 0 and out.stats.mean_acceptance_length > 1.0, out.stats
+
+
+def test_an_eagle1_reference_drafter_moves_to_its_authors_layout_and_back(runs, tiny_lm, data, readout, tmp_path):
+    """An EAGLE-1 drafter of its authors' architecture trained here is written in their layout, loads back
+    scoring every window alike, and drafts losslessly from that directory (a chain and EAGLE-2's tree)."""
+    from jaxspec.models.eagle_files import load_reference_eagle, save_reference_eagle
+
+    trained = runs("eagle-reference").head
+    task = TASKS["eagle-reference"]
+    batch = Batches(data, _spec(task), 4).batch(0)
+    want = _jitted(lambda h, b: task.eval_counts(h, readout, b), trained)(batch)
+    directory = save_reference_eagle(tmp_path / "drafter", trained)
+    assert json.loads((directory / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    loaded, meta = load_reference_eagle(directory, tiny_lm.config)
+    assert meta["kind"] == "eagle"
+    got = _jitted(lambda h, b: task.eval_counts(h, readout, b), loaded)(batch)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    prompts = _prompts(7, 2)
+    plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=12)
+    for method in ("eagle", "eagle2"):
+        out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=12,
+                               spec=jaxspec.SpecConfig(method=method, head_path=str(directory), cost_aware=False))
+        assert out.token_ids == plain.token_ids, method
+        assert out.stats.drafted > 0 and out.stats.mean_acceptance_length > 1.0, (method, out.stats)
 
 
 def test_measured_acceptance_scores_the_whole_default_draft(tiny_lm, head_files, tmp_path, monkeypatch):

@@ -14,10 +14,8 @@ import argparse
 import dataclasses
 import sys
 
-from flax import nnx
-
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.heads import EagleHead
+from jaxspec.models.heads import HEAD_ARCHITECTURES, EagleHead, new_head
 
 from . import cli
 from .evaluate import eagle_counts, eagle_summary
@@ -32,6 +30,7 @@ class EagleTask:
     unroll: int = 1  # drafting steps trained per position (>1: from the head's own features, see eagle_loss)
     unroll_decay: float = 1.0  # weight of step s's loss: unroll_decay ** (s - 1)
     eval_depth: int = 4  # drafting steps scored at evaluation
+    architecture: str = "jaxspec"  # the head's: jaxspec's own, or "reference", the EAGLE authors' (HEAD_ARCHITECTURES)
 
     kind = "eagle"
     method = "eagle"
@@ -50,12 +49,15 @@ class EagleTask:
             raise ValueError(f"unroll_decay={self.unroll_decay!r} must be > 0")
         if self.eval_depth < 1:
             raise ValueError(f"eval_depth={self.eval_depth!r} must be >= 1")
+        if self.architecture not in HEAD_ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r} must be one of {HEAD_ARCHITECTURES}")
 
     def feature_layers(self, cfg: ModelConfig) -> tuple[int, ...]:
         return ()  # the target's final hidden state only
 
     def new_head(self, cfg: ModelConfig, seed: int) -> EagleHead:
-        return EagleHead(cfg, rngs=nnx.Rngs(seed))
+        return new_head(self.kind, cfg, seed=seed, feature_layers=self.feature_layers(cfg) or None,
+                        architecture=self.architecture)
 
     def loss(self, head, readout, batch, key):
         return eagle_loss(head, readout, batch, key, w_cls=self.w_cls, noise=self.noise, unroll=self.unroll,
@@ -70,7 +72,7 @@ class EagleTask:
     def settings(self) -> dict:
         """What training depends on (a resumed run must match it); evaluation settings may change."""
         return {"w_cls": self.w_cls, "noise": self.noise, "context": self.context, "unroll": self.unroll,
-                "unroll_decay": self.unroll_decay}
+                "unroll_decay": self.unroll_decay, "architecture": self.architecture}
 
 
 # 200 steps of 4 windows x 144 positions: about 5 passes over the default data, minutes of training for
@@ -97,12 +99,16 @@ def add_options(parser: argparse.ArgumentParser, defaults: EagleTask = EagleTask
                         "step (default: %(default)s)")
     g.add_argument("--unroll-decay", type=cli.positive(float), default=defaults.unroll_decay,
                    help="weight of drafting step s's loss is DECAY ** (s - 1) (default: %(default)s)")
+    g.add_argument("--architecture", choices=HEAD_ARCHITECTURES, default=defaults.architecture,
+                   help="jaxspec: this project's head; reference: the EAGLE authors' drafter, which `python -m "
+                        "jaxspec.train.export_eagle` writes in the layout vLLM and SGLang load (default: "
+                        "%(default)s)")
 
 
 def make_task(args: argparse.Namespace, task_class: type[EagleTask] = EagleTask) -> EagleTask:
     """The task of the parsed options (`task_class`: EagleTask, or a variant with the same options)."""
     return task_class(w_cls=args.w_cls, noise=args.noise, context=args.context, unroll=args.unroll,
-                      unroll_decay=args.unroll_decay, eval_depth=args.eval_k)
+                      unroll_decay=args.unroll_decay, eval_depth=args.eval_k, architecture=args.architecture)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ import dataclasses
 import sys
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.heads import EAGLE3_ARCHITECTURES, eagle3_layers, new_head
+from jaxspec.models.heads import eagle3_layers
 
 from . import cli
 from .eagle import EagleTask
@@ -35,29 +35,19 @@ class Eagle3Task(EagleTask):
     noise: float = 0.0  # the training-time test shows the head its own features; no noise is needed
     unroll: int = 3  # drafting steps trained per position
     w_reg: float = 0.0  # no feature regression
-    architecture: str = "fused"  # jaxspec's Eagle3Head, or "reference": the EAGLE-3 authors' drafter
 
     kind = "eagle3"
     method = "eagle3"
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.architecture not in EAGLE3_ARCHITECTURES:
-            raise ValueError(f"architecture={self.architecture!r} must be one of {EAGLE3_ARCHITECTURES}")
-
     def feature_layers(self, cfg: ModelConfig) -> tuple[int, ...]:
         return eagle3_layers(cfg.num_layers)
-
-    def new_head(self, cfg: ModelConfig, seed: int):
-        return new_head("eagle3", cfg, seed=seed, feature_layers=self.feature_layers(cfg),
-                        architecture=self.architecture)
 
     def loss(self, head, readout, batch, key):
         return eagle_loss(head, readout, batch, key, w_cls=self.w_cls, w_reg=self.w_reg, noise=self.noise,
                           unroll=self.unroll, unroll_decay=self.unroll_decay)
 
     def settings(self) -> dict:
-        return {**super().settings(), "w_reg": self.w_reg, "architecture": self.architecture}
+        return {**super().settings(), "w_reg": self.w_reg}
 
 
 # 4 windows x 144 positions per step as for EAGLE; each unrolled step costs about one more head pass.
@@ -67,15 +57,10 @@ DEFAULTS = dict(seq_len=144, batch_size=4, steps=600, lr=1e-3, warmup_steps=30, 
 
 def add_options(parser: argparse.ArgumentParser):
     add_eagle_options(parser, defaults=Eagle3Task())
-    parser.add_argument("--architecture", choices=EAGLE3_ARCHITECTURES, default=Eagle3Task.architecture,
-                        help="fused: jaxspec's head (each target layer normed, then fused with the token "
-                             "embedding); reference: the EAGLE-3 authors' drafter, which `python -m "
-                             "jaxspec.train.export_eagle3` writes in the layout vLLM and SGLang load "
-                             "(default: %(default)s)")
 
 
 def make_task(args: argparse.Namespace) -> Eagle3Task:
-    return dataclasses.replace(make_eagle_task(args, Eagle3Task), architecture=args.architecture)
+    return make_eagle_task(args, Eagle3Task)
 
 
 def main(argv: list[str] | None = None) -> int:

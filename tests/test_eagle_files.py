@@ -1,4 +1,4 @@
-"""EAGLE-3 drafters in the layout their authors publish and vLLM and SGLang load (`jaxspec.models.eagle3_files`).
+"""EAGLE-3 drafters in the layout their authors publish and vLLM and SGLang load (`jaxspec.models.eagle_files`).
 
 Checkpoints are written here tensor by tensor under the published names (as SpecForge saves them), so the test
 depends on the layout, not on jaxspec's own writer: the drafter's forward must equal a numpy transcription of the
@@ -20,7 +20,13 @@ from safetensors.numpy import save_file
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.eagle3_files import load_reference_eagle3, save_reference_eagle3
+from jaxspec.models.eagle_files import (
+    drafter_kind,
+    load_reference_eagle,
+    load_reference_eagle3,
+    save_reference_eagle,
+    save_reference_eagle3,
+)
 from jaxspec.models.heads import Readout
 from reference_numpy import apply_rope, rms_norm, rope_inverse_frequencies, silu
 
@@ -67,18 +73,12 @@ def _write(path, config: dict, weights: dict) -> str:
     return str(path)
 
 
-def _reference_forward(w: dict, config: dict, embeds: np.ndarray, aux: np.ndarray, norm_before_residual: bool):
-    """One sequence through the reference drafter (numpy, float64), every position attending causally:
-    embeds [T, D], aux [T, 3 D_t] -> (the fed-back hidden state [T, D], logits over the target vocabulary [T, V],
-    -inf outside the draft vocabulary)."""
-    eps, hd = config["rms_norm_eps"], config["head_dim"]
-    h, hkv = config["num_attention_heads"], config["num_key_value_heads"]
-    p = "midlayer."
-    hidden = aux @ w["fc.weight"].T.astype(np.float64)
-    normed = rms_norm(hidden, w[p + "hidden_norm.weight"], eps)
-    residual = normed if norm_before_residual else hidden
-    x = np.concatenate([rms_norm(embeds, w[p + "input_layernorm.weight"], eps), normed], axis=-1)
-    q, k, v = (x @ w[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+def _reference_layer(w: dict, prefix: str, config: dict, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """A drafter's decoder layer as vLLM's forward runs it (numpy, float64), every position attending causally:
+    attention over x [T, D_in] (its input already normed as the drafter norms it) added to `residual` [T, D], then
+    the MLP over the normed sum added to it -> [T, D]."""
+    hd, h, hkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    q, k, v = (x @ w[f"{prefix}self_attn.{n}_proj.weight"].T for n in "qkv")
     T = len(x)
     inv_freq = rope_inverse_frequencies(hd, config["rope_theta"], None)
     q = np.stack([[apply_rope(q[t, i * hd:(i + 1) * hd], t, inv_freq) for i in range(h)] for t in range(T)])
@@ -91,13 +91,22 @@ def _reference_forward(w: dict, config: dict, embeds: np.ndarray, aux: np.ndarra
             scores = k[: t + 1, g] @ q[t, i] / np.sqrt(hd)
             weights = np.exp(scores - scores.max())
             out[t, i] = (weights / weights.sum()) @ v[: t + 1, g]
-    residual = residual + out.reshape(T, h * hd) @ w[p + "self_attn.o_proj.weight"].T
-    y = rms_norm(residual, w[p + "post_attention_layernorm.weight"], eps)
-    y = silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)
-    y = y @ w[p + "mlp.down_proj.weight"].T
-    prenorm = y + residual
+    residual = residual + out.reshape(T, h * hd) @ w[f"{prefix}self_attn.o_proj.weight"].T
+    y = rms_norm(residual, w[f"{prefix}post_attention_layernorm.weight"], config["rms_norm_eps"])
+    y = silu(y @ w[f"{prefix}mlp.gate_proj.weight"].T) * (y @ w[f"{prefix}mlp.up_proj.weight"].T)
+    return residual + y @ w[f"{prefix}mlp.down_proj.weight"].T
+
+
+def _reference_forward(w: dict, config: dict, embeds: np.ndarray, aux: np.ndarray, norm_before_residual: bool):
+    """One sequence through the reference EAGLE-3 drafter: embeds [T, D], aux [T, 3 D_t] -> (the fed-back hidden
+    state [T, D], logits over the target vocabulary [T, V], -inf outside the draft vocabulary)."""
+    eps = config["rms_norm_eps"]
+    hidden = aux @ w["fc.weight"].T.astype(np.float64)
+    normed = rms_norm(hidden, w["midlayer.hidden_norm.weight"], eps)
+    x = np.concatenate([rms_norm(embeds, w["midlayer.input_layernorm.weight"], eps), normed], axis=-1)
+    prenorm = _reference_layer(w, "midlayer.", config, x, normed if norm_before_residual else hidden)
     draft_logits = rms_norm(prenorm, w["norm.weight"], eps) @ w["lm_head.weight"].T  # [T, N]
-    logits = np.full((T, config["vocab_size"]), -np.inf)
+    logits = np.full((len(x), config["vocab_size"]), -np.inf)
     logits[:, np.arange(len(w["d2t"])) + w["d2t"]] = draft_logits
     return prenorm, logits
 
@@ -148,22 +157,35 @@ def jaxspec_state(head):
     return nnx.state(head)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c, w: c.update(architectures=["Eagle3Speculator"]), "not an EAGLE-3 drafter in its authors' layout"),
-    (lambda c, w: c.update(num_hidden_layers=2), "num_hidden_layers"),
-    (lambda c, w: c.update(vocab_size=65), "vocab_size"),
-    (lambda c, w: c.update(target_hidden_size=32), "target_hidden_size"),
-    (lambda c, w: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}), "id 0"),
-    (lambda c, w: c.update(attention_bias=True), "attention_bias"),
-    (lambda c, w: w.pop("midlayer.hidden_norm.weight"), "missing"),
-    (lambda c, w: w.update(d2t=w["d2t"] + 100), "d2t"),
+def _drafters():
+    """kind -> (a config.json of that kind, its weights, its loader)."""
+    return {"eagle3": (_config, _weights, load_reference_eagle3),
+            "eagle": (_eagle1_config, _eagle1_weights, load_reference_eagle)}
+
+
+@pytest.mark.parametrize("kind, change, message", [
+    ("eagle3", lambda c, w: c.update(architectures=["Eagle3Speculator"]),
+     "not an EAGLE-3 drafter in its authors' layout"),
+    ("eagle3", lambda c, w: c.update(num_hidden_layers=2), "num_hidden_layers"),
+    ("eagle3", lambda c, w: c.update(vocab_size=65), "vocab_size"),
+    ("eagle3", lambda c, w: c.update(target_hidden_size=32), "target_hidden_size"),
+    ("eagle3", lambda c, w: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}), "id 0"),
+    ("eagle3", lambda c, w: c.update(attention_bias=True), "attention_bias"),
+    ("eagle3", lambda c, w: w.pop("midlayer.hidden_norm.weight"), "missing"),
+    ("eagle3", lambda c, w: w.update(d2t=w["d2t"] + 100), "d2t"),
+    ("eagle", lambda c, w: c.update(num_hidden_layers=2), "num_hidden_layers"),
+    ("eagle", lambda c, w: c.update(vocab_size=65), "vocab_size"),
+    ("eagle", lambda c, w: w.pop("layers.0.mlp.up_proj.weight"), "missing"),
+    ("eagle", lambda c, w: w.update({"layers.0.self_attn.q_proj.weight": w["layers.0.self_attn.q_proj.weight"][:, :4]}),
+     "other shapes"),
 ])
-def test_what_the_drafter_cannot_run_is_refused_by_name(tmp_path, change, message):
-    config = _config()
-    weights = _weights(config, np.random.default_rng(3))
+def test_what_a_drafter_cannot_run_is_refused_by_name(tmp_path, kind, change, message):
+    make_config, make_weights, load = _drafters()[kind]
+    config = make_config()
+    weights = make_weights(config, np.random.default_rng(3))
     change(config, weights)
     with pytest.raises(ValueError, match=message):
-        load_reference_eagle3(_write(tmp_path / "d", config, weights), TARGET)
+        load(_write(tmp_path / "d", config, weights), TARGET)
 
 
 @pytest.fixture(scope="module")
@@ -217,15 +239,15 @@ def test_a_published_layout_drafter_is_lossless_on_the_default_model(smollm2, he
 
 @pytest.mark.real_model
 def test_export_command_writes_a_trained_reference_head(smollm2, tmp_path, capsys):
-    """`python -m jaxspec.train.export_eagle3` writes a reference-architecture head over the shipped ranking's
+    """`python -m jaxspec.train.export_eagle` writes a reference-architecture head over the shipped ranking's
     first N ids, with the target's LM head columns and the matching map; a fused head is refused by name."""
     from jaxspec.models.heads import load_draft_vocab, new_head, save_head
-    from jaxspec.train import export_eagle3
+    from jaxspec.train import export_eagle
 
     head = new_head("eagle3", smollm2.config, architecture="reference", seed=1)
     path = save_head(tmp_path / "head", head, kind="eagle3")
     out = tmp_path / "exported"
-    assert export_eagle3.main(["--head", str(path), "--out", str(out), "--draft-vocab", "512"]) == 0
+    assert export_eagle.main(["--head", str(path), "--out", str(out), "--draft-vocab", "512"]) == 0
     loaded, meta = load_reference_eagle3(out, smollm2.config)
     ranking = load_draft_vocab(_shipped_ranking(smollm2), smollm2.config.vocab_size)[:512]
     np.testing.assert_array_equal(np.asarray(loaded.ids[...]), ranking)
@@ -233,11 +255,95 @@ def test_export_command_writes_a_trained_reference_head(smollm2, tmp_path, capsy
     np.testing.assert_allclose(np.asarray(loaded.lm_head[...]), lm_head, rtol=1e-2, atol=1e-6)  # bfloat16 file
     assert meta["feature_layers"] == list(head.feature_layers)
     fused = save_head(tmp_path / "fused", new_head("eagle3", smollm2.config), kind="eagle3")
-    assert export_eagle3.main(["--head", str(fused), "--out", str(tmp_path / "no")]) == 2
-    assert "not an EAGLE-3 head of the reference architecture" in capsys.readouterr().err
+    assert export_eagle.main(["--head", str(fused), "--out", str(tmp_path / "no")]) == 2
+    assert "not an EAGLE or EAGLE-3 head of the reference architecture" in capsys.readouterr().err
 
 
 def _shipped_ranking(lm):
     from jaxspec.models.heads import WEIGHTS_DIR
 
     return WEIGHTS_DIR / f"{lm.name}.draft_vocab.json"
+
+
+# ------------------------------------------------------------------------------------------------ EAGLE-1
+
+def _eagle1_config(**overrides) -> dict:
+    """An EAGLE-1 drafter's config.json as the EAGLE authors ship it: the target's Llama config, one layer."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 5000.0, "max_position_embeddings": 256,
+            "vocab_size": TARGET.vocab_size, "hidden_size": TARGET.hidden_size, "intermediate_size": 40,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6, **overrides}
+
+
+def _eagle1_weights(config: dict, rng: np.random.Generator, bias: bool = True) -> dict[str, np.ndarray]:
+    d, hd, f = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+    h, hkv = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def w(*shape):
+        return rng.normal(0, 0.3, shape).astype(np.float32)
+
+    out = {"fc.weight": w(d, 2 * d), "layers.0.self_attn.q_proj.weight": w(h * hd, d),
+           "layers.0.self_attn.k_proj.weight": w(hkv * hd, d), "layers.0.self_attn.v_proj.weight": w(hkv * hd, d),
+           "layers.0.self_attn.o_proj.weight": w(d, h * hd), "layers.0.post_attention_layernorm.weight": 1 + w(d),
+           "layers.0.mlp.gate_proj.weight": w(f, d), "layers.0.mlp.up_proj.weight": w(f, d),
+           "layers.0.mlp.down_proj.weight": w(d, f),
+           "embed_tokens.weight": w(config["vocab_size"], d)}  # the target's, which the drafter does not use
+    if bias:
+        out["fc.bias"] = w(d)
+    return out
+
+
+def _eagle1_reference(w: dict, config: dict, embeds: np.ndarray, features: np.ndarray) -> np.ndarray:
+    """One sequence through the EAGLE authors' EAGLE-1 drafter: fc over [embedding; feature], a layer without its
+    input norm, no final norm -> the predicted features [T, D]."""
+    x = np.concatenate([embeds, features], axis=-1) @ w["fc.weight"].T + w.get("fc.bias", 0.0)
+    return _reference_layer(w, "layers.0.", config, x, x)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_eagle1_drafter_forward_equals_the_reference_transcription(tmp_path, bias):
+    config = _eagle1_config()
+    weights = _eagle1_weights(config, np.random.default_rng(5), bias)
+    path = _write(tmp_path / "d", config, weights)
+    assert drafter_kind(path) == "eagle"
+    head, meta = load_reference_eagle(path, TARGET)
+    assert meta["kind"] == "eagle" and (head.fc_bias is not None) == bias
+    rng = np.random.default_rng(6)
+    T = 7
+    embeds = rng.normal(0, 1, (T, TARGET.hidden_size)).astype(np.float32)
+    features = rng.normal(0, 1, (T, TARGET.hidden_size)).astype(np.float32)
+    want = _eagle1_reference(weights, config, embeds.astype(np.float64), features.astype(np.float64))
+    got, _ = head(jnp.asarray(embeds)[None], head.target_features(jnp.asarray(features))[None], jnp.arange(T)[None],
+                  head.new_cache(1, 16))
+    np.testing.assert_allclose(np.asarray(got[0]), want, rtol=2e-4, atol=2e-4)
+    again, _ = load_reference_eagle(save_reference_eagle(tmp_path / "again", head), TARGET)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.leaves(jaxspec_state(again)),
+                 jax.tree.leaves(jaxspec_state(head)))
+
+
+def test_a_llama_directory_is_not_a_drafter(tmp_path):
+    """A one-layer Llama checkpoint without `fc.weight` is a model, not an EAGLE drafter."""
+    config = _eagle1_config()
+    weights = {k: v for k, v in _eagle1_weights(config, np.random.default_rng(8)).items() if not k.startswith("fc")}
+    assert drafter_kind(_write(tmp_path / "d", config, weights)) is None
+    assert drafter_kind(tmp_path / "absent") is None
+
+
+@pytest.mark.real_model
+def test_an_eagle1_drafter_is_lossless_on_the_default_model(smollm2, held_out, tmp_path):
+    """An EAGLE-1 drafter for the default model written in its authors' layout, whose fc passes the target's
+    feature through and whose layer adds little: it predicts from the target's own last feature, so some of
+    EAGLE-2's tree is accepted, and greedy decoding is plain decoding's."""
+    cfg = smollm2.config
+    d = cfg.hidden_size
+    config = _eagle1_config(vocab_size=cfg.vocab_size, hidden_size=d, intermediate_size=64, num_attention_heads=3,
+                            num_key_value_heads=1, head_dim=64, rope_theta=cfg.rope.theta)
+    weights = _eagle1_weights(config, np.random.default_rng(9), bias=False)
+    weights["fc.weight"] = np.concatenate([np.zeros((d, d)), np.eye(d)], axis=1).astype(np.float32)
+    weights["layers.0.self_attn.o_proj.weight"] *= 0.001
+    weights["layers.0.mlp.down_proj.weight"] *= 0.001
+    path = _write(tmp_path / "d", config, weights)
+    plain = jaxspec.generate(smollm2, held_out, max_new_tokens=32)
+    out = jaxspec.generate(smollm2, held_out, max_new_tokens=32, spec=SpecConfig(method="eagle2", head_path=path))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted > 0 and out.stats.mean_acceptance_length > 1.0, out.stats

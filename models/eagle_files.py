@@ -1,0 +1,360 @@
+"""EAGLE and EAGLE-3 drafters in the layout their authors publish, SpecForge writes and vLLM and SGLang load.
+
+A drafter is a directory: `config.json`, a Llama config of its one decoder layer, and `model.safetensors`.
+
+EAGLE-3 (`architectures` ["LlamaForCausalLMEagle3"]; `draft_vocab_size`, optionally `target_hidden_size`,
+`norm_before_residual` and the target layers it reads, `eagle_config.eagle_aux_hidden_state_layer_ids`):
+
+    fc.weight                                   [D, 3 D_t]   the target's three layers, concatenated, to D
+    midlayer.input_layernorm.weight             [D]          the token embedding's norm
+    midlayer.hidden_norm.weight                 [D]          the feature's norm
+    midlayer.self_attn.{q,k,v}_proj.weight      [heads hd, 2D]
+    midlayer.self_attn.o_proj.weight            [D, H hd]
+    midlayer.post_attention_layernorm.weight    [D]
+    midlayer.mlp.{gate,up}_proj.weight          [F, D]; down_proj [D, F]
+    norm.weight                                 [D]
+    lm_head.weight                              [N, D]       over the draft vocabulary
+    d2t                                         i64[N]       target id of draft column j: j + d2t[j]
+    t2d                                         bool[V]      which target ids the draft vocabulary holds
+    embed_tokens.weight                         [V, D]       optional: the target's embedding otherwise
+
+(`layers.0.` for `midlayer.` and a leading `model.` are read too.) Layer ids count as vLLM and SpecForge do: id j
+is the hidden state entering target layer j, the output of layer j - 1 (0 is the embedding), so id j is
+jaxspec's feature layer j - 1. Without ids a drafter reads vLLM's default, ids 2, L // 2 and L - 3.
+
+EAGLE-1 (`architectures` ["LlamaForCausalLM"] as the EAGLE authors ship it, or vLLM's "EagleLlamaForCausalLM";
+told from a Llama model by its `fc.weight`): fc over [embedding; feature] and one layer without an input norm,
+scored by the target's own LM head:
+
+    fc.weight                                   [D, 2D]      (fc.bias [D] where the checkpoint has one)
+    layers.0.self_attn.{q,k,v,o}_proj.weight    as a Llama layer's
+    layers.0.post_attention_layernorm.weight    [D]
+    layers.0.mlp.{gate,up,down}_proj.weight     as a Llama layer's
+    embed_tokens.weight, layers.0.input_layernorm.weight    optional and unused: the target's embedding, and a
+                                                            norm the drafter's first layer skips
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from .config import ModelConfig, RopeConfig
+from .files import FileError, SafetensorsFile, describe, field, json_object, read_json
+from .heads import Readout, ReferenceEagle3Head, ReferenceEagleHead, check_shapes, fill_params, flat_params
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # the names vLLM registers
+EAGLE_ARCHITECTURES = ("LlamaForCausalLM", "EagleLlamaForCausalLM")  # the EAGLE authors' name, vLLM's
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _layer_names(prefix: str) -> tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]:
+    """The checkpoint's names of a drafter layer stored under `prefix`: {our parameter: theirs} for the tensors
+    stored one to one, and the parts of the fused projections (q, k, v; gate, up), in our rows' order."""
+    one_to_one = {"attn.o": f"{prefix}self_attn.o_proj.weight",
+                  "post_attention_norm.weight": f"{prefix}post_attention_layernorm.weight",
+                  "mlp.down": f"{prefix}mlp.down_proj.weight"}
+    return (one_to_one, tuple(f"{prefix}self_attn.{n}_proj.weight" for n in "qkv"),
+            (f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"))
+
+
+_LAYER3, _QKV3, _GATE_UP3 = _layer_names("midlayer.")
+_NAMES3 = {"fc": "fc.weight", "input_norm.weight": "midlayer.input_layernorm.weight",
+           "hidden_norm.weight": "midlayer.hidden_norm.weight", "norm.weight": "norm.weight", **_LAYER3}
+_LAYER1, _QKV1, _GATE_UP1 = _layer_names("layers.0.")
+_NAMES1 = {"fc": "fc.weight", **_LAYER1}
+_UNUSED1 = ("embed_tokens.weight", "layers.0.input_layernorm.weight")  # read past: see the module's docstring
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """vLLM's layer ids for a drafter that names none: 2, L // 2 and L - 3 (inputs of those target layers)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def drafter_kind(path: str | Path) -> str | None:
+    """"eagle3" or "eagle" when `path` is a directory holding a drafter in its authors' layout, else None: its
+    config.json names an EAGLE-3 class, or a Llama one with one layer beside weights holding `fc.weight`."""
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+        classes = config.get("architectures") or []
+        if any(c in EAGLE3_ARCHITECTURES for c in classes):
+            return "eagle3"
+        if (any(c in EAGLE_ARCHITECTURES for c in classes) and config.get("num_hidden_layers") == 1
+                and "fc.weight" in SafetensorsFile(path / WEIGHTS_FILE).shapes):
+            return "eagle"
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+def load_reference_drafter(directory: str | Path, target: ModelConfig):
+    """(drafter, metadata) from a directory in its authors' layout, EAGLE or EAGLE-3 (`drafter_kind`); ValueError
+    naming the directory when it is neither."""
+    kind = drafter_kind(directory)
+    if kind is None:
+        raise FileError(f"{str(directory)!r} holds no EAGLE or EAGLE-3 drafter in its authors' layout (config.json "
+                        f"naming one of {list(EAGLE3_ARCHITECTURES + EAGLE_ARCHITECTURES)} and {WEIGHTS_FILE})")
+    return (load_reference_eagle3 if kind == "eagle3" else load_reference_eagle)(directory, target)
+
+
+def _layer_config(cfg: dict, target: ModelConfig, source: str) -> ModelConfig:
+    """The drafter layer's ModelConfig from its config.json, checked against the target's."""
+    if field(cfg, "num_hidden_layers", "int", source) != 1:
+        raise FileError(f"{source}: field 'num_hidden_layers'={cfg['num_hidden_layers']}; jaxspec runs EAGLE "
+                        f"drafters of one decoder layer")
+    if field(cfg, "attention_bias", "bool", source, False):
+        raise FileError(f"{source}: field 'attention_bias' is true; this drafter layer has no attention biases")
+    vocab = field(cfg, "vocab_size", "int", source)
+    if vocab != target.vocab_size:
+        raise FileError(f"{source}: field 'vocab_size'={vocab}, but the target has {target.vocab_size} tokens: "
+                        f"this drafter was made for another model")
+    llama = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "layer_types")}
+    return ModelConfig.from_hf({**llama, "model_type": "llama"}, source=source)
+
+
+def _feature_layers(cfg: dict, target: ModelConfig, source: str) -> tuple[int, ...]:
+    """jaxspec's feature layers (outputs of target layers) from the drafter's layer ids (inputs of layers)."""
+    eagle = field(cfg, "eagle_config", "dict", source, {})
+    ids = field(eagle, "eagle_aux_hidden_state_layer_ids", "list", f"{source} (eagle_config)",
+                field(cfg, "eagle_aux_hidden_state_layer_ids", "list", source, None))
+    if ids is None:
+        ids = default_layer_ids(target.num_layers)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= target.num_layers
+                          for i in ids):
+        raise FileError(f"{source}: layer ids {describe(ids)} must each be in [1, {target.num_layers}] for this "
+                        f"{target.num_layers}-layer target (id j reads the output of layer j - 1; the embedding, "
+                        f"id 0, is not a feature jaxspec hands a drafter)")
+    return tuple(i - 1 for i in ids)
+
+
+def _weights(directory: Path, what: str) -> SafetensorsFile:
+    path = directory / WEIGHTS_FILE
+    if not path.exists():
+        found = sorted(p.name for p in directory.iterdir())
+        raise FileError(f"{what} {str(directory)!r} has no {WEIGHTS_FILE} (it holds {found}); weights saved by "
+                        f"torch.save must be converted to safetensors first")
+    return SafetensorsFile(path, f"{what} weights")
+
+
+def _canonical(name: str) -> str:
+    """An EAGLE-3 checkpoint's name as `_NAMES3` spells it (`model.` prefix and `layers.0.` for `midlayer.` read
+    too)."""
+    name = name.removeprefix("model.")
+    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+def load_reference_eagle3(directory: str | Path, target: ModelConfig) -> tuple[ReferenceEagle3Head, dict]:
+    """(drafter, metadata) from a directory in this layout, for a target of config `target`.
+
+    FileError (a ValueError) naming the file and the problem for: another architecture, more than one layer,
+    biases, another vocabulary or hidden size than the target's, layer ids outside the target, missing,
+    unexpected or misshapen tensors, draft-to-target ids that are out of range or repeated, non-finite weights.
+    """
+    directory = Path(directory)
+    source = f"EAGLE-3 drafter config {str(directory / 'config.json')!r}"
+    cfg = json_object(read_json(directory / "config.json", "EAGLE-3 drafter config"), source)
+    classes = field(cfg, "architectures", "list", source, [])
+    if not any(c in EAGLE3_ARCHITECTURES for c in classes):
+        raise FileError(f"{source}: architectures {describe(classes)} is not an EAGLE-3 drafter in its authors' "
+                        f"layout (one of {list(EAGLE3_ARCHITECTURES)})")
+    layer = _layer_config(cfg, target, source)
+    target_hidden = field(cfg, "target_hidden_size", "int", source, layer.hidden_size)
+    if target_hidden != target.hidden_size:
+        raise FileError(f"{source}: target_hidden_size={target_hidden}, but the target's hidden size is "
+                        f"{target.hidden_size}")
+    layers = _feature_layers(cfg, target, source)
+    draft_vocab = field(cfg, "draft_vocab_size", "int", source, target.vocab_size)
+
+    weights = _weights(directory, "EAGLE-3 drafter")
+    tensors = {_canonical(name): name for name in weights.shapes}
+    own_embedding = "embed_tokens.weight" in tensors
+    head = nnx.eval_shape(lambda: ReferenceEagle3Head(
+        layer, layers, target_hidden=target_hidden, draft_vocab=draft_vocab, own_embedding=own_embedding,
+        norm_before_residual=field(cfg, "norm_before_residual", "bool", source, False), rngs=nnx.Rngs(0)))
+    needed = _eagle3_shapes(head)
+    given = {name: weights.shapes[tensors[name]] for name in tensors if name != "t2d"}
+    check_shapes(given, needed, source=weights.source, needed="the drafter its config.json describes")
+    values = {name: weights.read(tensors[name]) for name in needed if name != "d2t"}
+    ids = np.arange(draft_vocab) + weights.read_integers(tensors["d2t"])
+    if ids.min() < 0 or ids.max() >= target.vocab_size or len(np.unique(ids)) != len(ids):
+        raise FileError(f"{weights.source}: d2t maps draft ids to target ids outside [0, {target.vocab_size}) or "
+                        f"to one id twice")
+    head = ReferenceEagle3Head(layer, layers, target_hidden=target_hidden, draft_vocab=draft_vocab,
+                               own_embedding=own_embedding, norm_before_residual=head.norm_before_residual,
+                               rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(head)
+    ours = _from_checkpoint(values, _NAMES3, _QKV3, _GATE_UP3)
+    ours["lm_head"] = values["lm_head.weight"].T  # [D, N]
+    if head.embed is not None:
+        ours["embed"] = values["embed_tokens.weight"]
+    fill_params(state, {**ours, "ids": ids}, source=weights.source, needed="this drafter")
+    meta = {"kind": "eagle3", "architecture": "reference", "feature_layers": list(layers), "source": str(directory)}
+    return nnx.merge(graphdef, state), meta
+
+
+def _checkpoint_shapes(head, names: dict[str, str], qkv: tuple[str, ...], gate_up: tuple[str, ...],
+                       qkv_in: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of a drafter's checkpoint tensors named by `names`, `qkv` and `gate_up` for `head` (abstract or
+    built), whose q/k/v projections read `qkv_in` features."""
+    cfg = head.cfg
+    shapes = {ckpt: tuple(_value(head, ours).shape) for ours, ckpt in names.items()}
+    for name, heads in zip(qkv, (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)):
+        shapes[name] = (heads * cfg.head_dim, qkv_in)
+    for name in gate_up:
+        shapes[name] = (cfg.intermediate_size, cfg.hidden_size)
+    return shapes
+
+
+def _eagle3_shapes(head: ReferenceEagle3Head) -> dict[str, tuple[int, ...]]:
+    d = head.cfg.hidden_size
+    shapes = _checkpoint_shapes(head, _NAMES3, _QKV3, _GATE_UP3, 2 * d)
+    n = head.lm_head.shape[1]
+    shapes["lm_head.weight"], shapes["d2t"] = (n, d), (n,)
+    if head.embed is not None:
+        shapes["embed_tokens.weight"] = tuple(head.embed.shape)
+    return shapes
+
+
+def _value(head, dotted: str):
+    obj = head
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _from_checkpoint(values: dict[str, np.ndarray], names: dict[str, str], qkv: tuple[str, ...],
+                     gate_up: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Our parameters ({dotted name: array}, as `flat_params` names them) from a checkpoint's tensors."""
+    ours = {name: values[ckpt] for name, ckpt in names.items()}
+    ours["attn.qkv"] = np.concatenate([values[name] for name in qkv])  # rows [q; k; v]
+    ours["mlp.gate_up"] = np.concatenate([values[name] for name in gate_up])  # rows [gate; up]
+    return ours
+
+
+def _to_checkpoint(head, names: dict[str, str], qkv: tuple[str, ...],
+                   gate_up: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors named by `names`, `qkv` and `gate_up` from `head`'s parameters."""
+    cfg = head.cfg
+    ours = flat_params(nnx.state(head))
+    tensors = {ckpt: ours[name] for name, ckpt in names.items()}
+    h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    tensors.update(zip(qkv, np.split(ours["attn.qkv"], [h * hd, (h + hkv) * hd])))
+    tensors.update(zip(gate_up, np.split(ours["mlp.gate_up"], 2)))
+    return tensors
+
+
+def _rope_scaling(rope: RopeConfig) -> dict | None:
+    """transformers' `rope_scaling` for `rope` (None for plain rotary positions)."""
+    if rope.freq_factors is not None:
+        raise ValueError("rope frequencies given per dimension (a GGUF rope_freqs tensor) have no config.json form")
+    if rope.rope_type == "default":
+        return None
+    out = {"rope_type": rope.rope_type, "factor": rope.factor}
+    if rope.rope_type == "llama3":
+        out.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    elif rope.rope_type == "yarn":
+        out.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+        if rope.attention_factor is not None:
+            out["attention_factor"] = rope.attention_factor
+    return out
+
+
+def _layer_config_json(cfg: ModelConfig) -> dict:
+    """config.json's fields for a drafter layer of config `cfg` (a Llama layer)."""
+    return {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
+            "rope_theta": cfg.rope.theta, "rope_scaling": _rope_scaling(cfg.rope), "vocab_size": cfg.vocab_size,
+            "tie_word_embeddings": False, "attention_bias": False}
+
+
+def _write(directory: str | Path, tensors: dict[str, np.ndarray], config: dict, dtype: str) -> Path:
+    """config.json and model.safetensors in `directory`, float tensors in `dtype` ("float32", "float16" or
+    "bfloat16"), integer and boolean ones as they are."""
+    from safetensors.numpy import save_file
+
+    float_type = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}.get(dtype)
+    if float_type is None:
+        raise ValueError(f"dtype={dtype!r} must be 'float32', 'float16' or 'bfloat16'")
+    tensors = {k: np.ascontiguousarray(v, float_type if np.issubdtype(v.dtype, np.floating) else v.dtype)
+               for k, v in tensors.items()}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2) + "\n")
+    return directory
+
+
+def save_reference_eagle3(directory: str | Path, head: ReferenceEagle3Head, target: Readout, *,
+                          dtype: str = "float32") -> Path:
+    """Write `head` to `directory` in the EAGLE-3 layout (config.json and model.safetensors); returns the directory.
+
+    `target` is the target's readout: a drafter that shares the target's LM head (one trained here) gets a copy
+    of it (over the target's draft vocabulary when the readout is restricted), as the layout needs its own.
+    `dtype` "float32" (the default: loads back exactly), "float16" or "bfloat16" for the float tensors.
+    """
+    cfg = head.cfg
+    readout = head.draft_readout(target)
+    lm_head = np.asarray(readout.lm_head, np.float32)  # [D, N]
+    n = lm_head.shape[1]
+    ids = np.arange(n) if readout.ids is None else np.asarray(readout.ids, np.int64)
+    tensors = _to_checkpoint(head, _NAMES3, _QKV3, _GATE_UP3)
+    tensors["lm_head.weight"] = lm_head.T
+    if head.embed is not None:
+        tensors["embed_tokens.weight"] = np.asarray(head.embed[...])
+    tensors["d2t"] = (ids - np.arange(n)).astype(np.int64)
+    tensors["t2d"] = np.isin(np.arange(cfg.vocab_size), ids)
+    config = {"architectures": [EAGLE3_ARCHITECTURES[0]], **_layer_config_json(cfg), "draft_vocab_size": n,
+              "target_hidden_size": head.fc.shape[1] // len(head.feature_layers),
+              "norm_before_residual": head.norm_before_residual,
+              "eagle_config": {"use_aux_hidden_state": True,
+                               "eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.feature_layers]}}
+    return _write(directory, tensors, config, dtype)
+
+
+def load_reference_eagle(directory: str | Path, target: ModelConfig) -> tuple[ReferenceEagleHead, dict]:
+    """(drafter, metadata) from a directory holding an EAGLE-1 drafter in its authors' layout, for a target of
+    config `target`; FileError (a ValueError) naming the file and the problem for more than one layer, biases,
+    another vocabulary or hidden size than the target's, missing, unexpected or misshapen tensors, non-finite
+    weights."""
+    directory = Path(directory)
+    source = f"EAGLE drafter config {str(directory / 'config.json')!r}"
+    cfg = json_object(read_json(directory / "config.json", "EAGLE drafter config"), source)
+    layer = _layer_config(cfg, target, source)
+    if layer.hidden_size != target.hidden_size:
+        raise FileError(f"{source}: hidden_size={layer.hidden_size}, but the target's is {target.hidden_size}")
+    weights = _weights(directory, "EAGLE drafter")
+    tensors = {name.removeprefix("model."): name for name in weights.shapes}
+    head = nnx.eval_shape(lambda: ReferenceEagleHead(layer, fc_bias="fc.bias" in tensors, rngs=nnx.Rngs(0)))
+    names = {**_NAMES1, **({"fc_bias": "fc.bias"} if head.fc_bias is not None else {})}
+    needed = _checkpoint_shapes(head, names, _QKV1, _GATE_UP1, layer.hidden_size)
+    given = {name: weights.shapes[stored] for name, stored in tensors.items() if name not in _UNUSED1}
+    check_shapes(given, needed, source=weights.source, needed="the drafter its config.json describes")
+    values = {name: weights.read(tensors[name]) for name in needed}
+    head = ReferenceEagleHead(layer, fc_bias=head.fc_bias is not None, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(head)
+    fill_params(state, _from_checkpoint(values, names, _QKV1, _GATE_UP1), source=weights.source,
+                needed="this drafter")
+    meta = {"kind": "eagle", "architecture": "reference", "source": str(directory)}
+    return nnx.merge(graphdef, state), meta
+
+
+def save_reference_eagle(directory: str | Path, head: ReferenceEagleHead, *, dtype: str = "float32") -> Path:
+    """Write `head` to `directory` in the EAGLE-1 layout (config.json and model.safetensors); returns the
+    directory. `dtype` as for `save_reference_eagle3`."""
+    names = {**_NAMES1, **({"fc_bias": "fc.bias"} if head.fc_bias is not None else {})}
+    config = {"architectures": [EAGLE_ARCHITECTURES[0]], **_layer_config_json(head.cfg)}
+    return _write(directory, _to_checkpoint(head, names, _QKV1, _GATE_UP1), config, dtype)
+
+
+__all__ = ["EAGLE3_ARCHITECTURES", "EAGLE_ARCHITECTURES", "default_layer_ids", "drafter_kind",
+           "load_reference_drafter", "load_reference_eagle", "load_reference_eagle3", "save_reference_eagle",
+           "save_reference_eagle3"]
