@@ -357,8 +357,10 @@ class MoE(nnx.Module):
     each token gathers its k experts' weights, so a step reads k experts per token rather than all E; with more
     (prefill, wide verification, many rows) every expert runs on every token and the router's weights, zero outside
     the k, combine them. Gathering passes over N k experts' weights three times (read, written as the gathered copy,
-    read by the product) where running all of them passes over E once, so it is chosen while 3 N k <= E. The experts' axis is the one tensor parallelism splits (`ShardingRules.experts`): each device
-    holds E / n whole experts."""
+    read by the product) where running all of them passes over E once, so it is chosen while 3 N k <= E.
+
+    The experts' axis is the one tensor parallelism splits (`ShardingRules.experts`): each device holds E / n whole
+    experts."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = cfg.jnp_dtype
