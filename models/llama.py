@@ -679,21 +679,36 @@ def set_matmul(module: nnx.Module, impl: MatmulImpl) -> None:
             sub.matmul = impl
 
 
-def _interleave(w: jax.Array, parts: tuple[int, ...], blocks: int, inverse: bool = False) -> jax.Array:
+def interleave_blocks(w, parts: tuple[int, ...], blocks: int, inverse: bool = False):
     """Rows of w [sum(parts), ...] stored part after part -> `blocks` consecutive blocks, each holding 1/blocks of
-    every part in order (and back with inverse=True)."""
+    every part in order (and back with inverse=True). A numpy array stays on the host (a load lays out each
+    tensor before it goes to its devices); a jax array is permuted where it lives."""
+    xp = np if isinstance(w, np.ndarray) else jnp
     rest = w.shape[1:]
     if inverse:
         per_block = [p // blocks for p in parts]
-        chunks = jnp.split(w.reshape(blocks, sum(per_block), *rest), np.cumsum(per_block)[:-1].tolist(), axis=1)
-        return jnp.concatenate([c.reshape(-1, *rest) for c in chunks], axis=0)
-    chunks = jnp.split(w, np.cumsum(parts)[:-1].tolist(), axis=0)
-    return jnp.concatenate([c.reshape(blocks, -1, *rest) for c in chunks], axis=1).reshape(w.shape)
+        chunks = xp.split(w.reshape(blocks, sum(per_block), *rest), np.cumsum(per_block)[:-1].tolist(), axis=1)
+        return xp.concatenate([c.reshape(-1, *rest) for c in chunks], axis=0)
+    chunks = xp.split(w, np.cumsum(parts)[:-1].tolist(), axis=0)
+    return xp.concatenate([c.reshape(blocks, -1, *rest) for c in chunks], axis=1).reshape(w.shape)
 
 
 def _each_layer(fn, w: jax.Array, base_ndim: int) -> jax.Array:
     """fn(w) for one layer's parameter, vectorised over a scanned stack's leading [L] axis where w has one."""
     return jax.vmap(fn)(w) if w.ndim > base_ndim else fn(w)
+
+
+def abstract_llama(config: ModelConfig, layer_loop: LayerLoop, heads: int = 1, mlp: int = 1) -> "Llama":
+    """A Llama of `config` whose parameters are shapes only (`nnx.eval_shape`), for a loader to fill a tensor at a
+    time where each one lives; its layers run as `layer_loop` and its fused projections are stored as `heads` and
+    `mlp` per-device blocks (`set_blocks`), so the tensors given to it must already be laid out so."""
+    module = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), layer_loop=layer_loop))
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Attention):
+            node.blocks = heads
+        elif isinstance(node, MLP):
+            node.blocks = mlp
+    return module
 
 
 def set_blocks(module: nnx.Module, heads: int, mlp: int) -> None:
@@ -715,7 +730,7 @@ def set_blocks(module: nnx.Module, heads: int, mlp: int) -> None:
                 param = getattr(sub, name)
                 if param is not None:
                     def relaid(w, parts=parts, old=sub.blocks):
-                        return _interleave(_interleave(w, parts, old, inverse=True), parts, heads)
+                        return interleave_blocks(interleave_blocks(w, parts, old, inverse=True), parts, heads)
 
                     param[...] = _each_layer(relaid, param[...], base_ndim=2 if name == "qkv" else 1)
             sub.blocks = heads
@@ -725,7 +740,7 @@ def set_blocks(module: nnx.Module, heads: int, mlp: int) -> None:
                 raise ValueError(f"mlp={mlp} blocks must divide intermediate_size={units}")
             parts = (units, units)
             def relaid_mlp(w, parts=parts, old=sub.blocks):
-                return _interleave(_interleave(w, parts, old, inverse=True), parts, mlp)
+                return interleave_blocks(interleave_blocks(w, parts, old, inverse=True), parts, mlp)
 
             sub.gate_up[...] = _each_layer(relaid_mlp, sub.gate_up[...], base_ndim=2)
             sub.blocks = mlp

@@ -8,6 +8,7 @@ Nothing here downloads anything: a named model must be installed as a package.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -20,15 +21,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.graphdefs import hashed
-from jaxspec.sharding import ShardingRules, axis_size, check_rules, param_shardings
+from jaxspec.sharding import ShardingRules, axis_size, check_rules, param_shardings, param_spec
 from jaxspec.target import TargetModel, check_target
 
 from .config import ModelConfig, RopeConfig
 from .files import FileError, SafetensorsFile, check_finite, describe, field, json_object, read_json
-from .llama import LayerLoop, Llama, default_layer_loop, set_blocks, set_layer_loop, set_matmul
+from .llama import (
+    LayerLoop,
+    Llama,
+    abstract_llama,
+    default_layer_loop,
+    interleave_blocks,
+    set_blocks,
+    set_matmul,
+)
 from .random_shapes import RANDOM_SHAPES, is_random, random_config, random_module
 from .tokenizer import Tokenizer
 
@@ -138,8 +148,9 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | 
     A Hugging Face directory holds `config.json`, `model.safetensors` or a sharded
     `model.safetensors.index.json`, and `tokenizer.json`; float32, float16 and bfloat16 tensors are read, one at a
     time as the model is filled (`ShardedTensors`), so a load holds the model and about one tensor, never a second
-    copy of the checkpoint. With a `mesh` (`jaxspec.sharding.make_mesh`), the parameters are placed on it by
-    `rules` (`LanguageModel.on_mesh`).
+    copy of the checkpoint. With a `mesh` (`jaxspec.sharding.make_mesh`), each tensor goes from the file (or, for
+    a random-weight model, its draw) straight to its devices as `rules` split it (`build_module`, `random_module`),
+    so no device holds more than its share.
 
     A bad file raises a ValueError (`jaxspec.models.files.FileError`) naming the file and what is wrong: a missing
     file, JSON that does not parse (with the position), a config or GGUF metadata field that is missing or of the
@@ -165,8 +176,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | 
         raise ValueError(f"dtype={dtype!r} must be None, 'float32' or 'bfloat16'")
     key = str(name_or_path)
     if is_random(key):
-        lm = _random_model(key, dtype, layer_loop)
-        return lm if mesh is None else lm.on_mesh(mesh, rules)
+        return _random_model(key, dtype, layer_loop, mesh, rules)
     if key in NAMED_MODELS:
         path = named_model_path(key)
     else:
@@ -180,13 +190,13 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | 
         config, weights, tokenizer = _read_gguf(path, dtype)
     else:
         raise ValueError(f"model path {str(path)!r} is neither a .gguf file nor a Hugging Face directory")
-    module = build_module(config, weights)
-    set_layer_loop(module, layer_loop)
+    module = build_module(config, weights, layer_loop=layer_loop, mesh=mesh, rules=rules)
     lm = LanguageModel.from_module(module, tokenizer, name=key)
-    return lm if mesh is None else lm.on_mesh(mesh, rules)
+    return lm if mesh is None else dataclasses.replace(lm, mesh=mesh, rules=rules or ShardingRules())
 
 
-def _random_model(name: str, dtype: str, layer_loop: LayerLoop) -> LanguageModel:
+def _random_model(name: str, dtype: str, layer_loop: LayerLoop, mesh: Mesh | None,
+                  rules: ShardingRules | None) -> LanguageModel:
     """`random:<name>` (see `load_model`): random weights in the shapes of a real checkpoint."""
     config = random_config(name, dtype)
     tokenizer = None
@@ -195,9 +205,9 @@ def _random_model(name: str, dtype: str, layer_loop: LayerLoop) -> LanguageModel
             tokenizer = Tokenizer.from_gguf(named_model_path(DEFAULT_MODEL))
         except ValueError:  # the default model's package is not installed: token ids only
             tokenizer = None
-    module = random_module(config)
-    set_layer_loop(module, layer_loop)
-    return LanguageModel.from_module(module, tokenizer, name=name)
+    lm = LanguageModel.from_module(random_module(config, layer_loop=layer_loop, mesh=mesh, rules=rules), tokenizer,
+                                   name=name)
+    return lm if mesh is None else dataclasses.replace(lm, mesh=mesh, rules=rules or ShardingRules())
 
 
 def named_model_path(name: str) -> Path:
@@ -596,14 +606,27 @@ def check_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]], sourc
 
 # -------------------------------------------------------------------------------- canonical dict -> module
 
-def build_module(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> Llama:
-    """Fill an NNX Llama from Hugging Face-named numpy weights ([out, in] matrices).
+def build_module(config: ModelConfig, weights: Mapping[str, np.ndarray], *, layer_loop: LayerLoop = "unroll",
+                 mesh: Mesh | None = None, rules: ShardingRules | None = None) -> Llama:
+    """Fill an NNX Llama from Hugging Face-named numpy weights ([out, in] matrices), its layers run as `layer_loop`.
 
-    Each weight is asked for once and let go once it is on the device, so with a mapping that reads on demand
-    (`ShardedTensors`) the load's peak is the model plus about one layer's tensors."""
-    module = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), layer_loop="unroll"))  # filled layer by layer
+    Each weight is asked for once and let go once it is on its devices, so with a mapping that reads on demand
+    (`ShardedTensors`) the load's peak is the model plus about one tensor. A scanned stack's [L, ...] parameters
+    are allocated once and filled a layer at a time in place, never stacked from a second copy. With a `mesh`, each
+    tensor goes from the host straight to its devices by `rules` (default `ShardingRules()`; see
+    `jaxspec.sharding.param_spec`), its fused projections already in the per-device layout (`set_blocks`), so no
+    device holds more of the model than the rules give it; the result is what `LanguageModel.on_mesh` would make.
+    """
+    rules = ShardingRules() if mesh is not None and rules is None else rules
+    if mesh is not None:
+        check_rules(mesh, rules, config, "the checkpoint")
+    heads, mlp = axis_size(mesh, rules and rules.heads), axis_size(mesh, rules and rules.mlp)
+    module = abstract_llama(config, layer_loop, heads, mlp)  # filled tensor by tensor
+    # id(Param) -> its path in the state, which names its sharding
+    paths = {id(node): path for path, node in nnx.iter_graph(module) if isinstance(node, nnx.Param)}
     dt = config.jnp_dtype
     used: set[str] = set()
+    qkv_parts = (config.num_heads * config.head_dim,) + (config.num_kv_heads * config.head_dim,) * 2
 
     def take(name: str) -> np.ndarray:
         if name not in weights:
@@ -611,13 +634,22 @@ def build_module(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> Llam
         used.add(name)
         return np.asarray(weights[name], np.float32)
 
-    def assign(param: nnx.Param, value: np.ndarray, name: str):
-        needed = tuple(param.get_value().shape)
+    def assign(param: nnx.Param, value: np.ndarray, name: str, layer: int | None = None):
+        """param <- value, or its layer `layer` of a scanned stack [L, ...]."""
+        stack = param.get_value()
+        needed = tuple(stack.shape[1:] if layer is not None else stack.shape)
         if needed != value.shape:
             raise ValueError(f"weight {name!r} has shape {value.shape}, the config needs {needed}")
+        spec = P() if mesh is None else param_spec(paths[id(param)], value.ndim, rules)
+        placed = jax.device_put(value.astype(dt, copy=False), None if mesh is None else NamedSharding(mesh, spec))
+        if layer is not None:
+            if isinstance(stack, jax.ShapeDtypeStruct):  # the stack's first layer: allocate it where it lives
+                sharding = None if mesh is None else NamedSharding(mesh, P(None, *spec))
+                stack = jnp.zeros(stack.shape, dt, device=sharding)
+            placed = _write_layer(stack, placed, np.int32(layer))
         # Waited for: the copy to the device runs asynchronously and holds `value` until it is done, so a load
         # that ran ahead of its copies (a busy machine) would hold many tensors at once.
-        param.set_value(jnp.asarray(value, dt).block_until_ready())
+        param.set_value(placed.block_until_ready())
 
     embed = take("model.embed_tokens.weight")
     assign(module.embed, embed, "model.embed_tokens.weight")
@@ -626,29 +658,34 @@ def build_module(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> Llam
     assign(module.lm_head, np.ascontiguousarray(head.T), "lm_head.weight")
     del head
     assign(module.norm.weight, take("model.norm.weight"), "model.norm.weight")
-    for i, layer in enumerate(module.layers):
+    for i in range(config.num_layers):
+        layer = module.layers if layer_loop == "scan" else module.layers[i]
         p = f"model.layers.{i}."
-        q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-        assign(layer.attn.qkv, np.concatenate([q, k, v], axis=0), p + "self_attn.qkv")
+        put = functools.partial(assign, layer=i if layer_loop == "scan" else None)
+        qkv = np.concatenate([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], axis=0)
+        put(layer.attn.qkv, interleave_blocks(qkv, qkv_parts, heads), p + "self_attn.qkv")
+        del qkv
         if config.attention_bias:
             bias = np.concatenate([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            assign(layer.attn.qkv_bias, bias, p + "self_attn.qkv_bias")
+            put(layer.attn.qkv_bias, interleave_blocks(bias, qkv_parts, heads), p + "self_attn.qkv_bias")
         if config.qk_norm:
-            assign(layer.attn.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
-            assign(layer.attn.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
-        assign(layer.attn.o, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            put(layer.attn.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+            put(layer.attn.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+        put(layer.attn.o, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
         if config.num_experts:
             experts = [f"{p}mlp.experts.{m}." for m in range(config.num_experts)]
-            assign(layer.mlp.router, take(p + "mlp.gate.weight"), p + "mlp.gate.weight")
-            assign(layer.mlp.expert_gate_up, np.stack([np.concatenate([take(e + "gate_proj.weight"),
-                                                                       take(e + "up_proj.weight")]) for e in experts]),
-                   p + "mlp.experts.*.gate_up")
-            assign(layer.mlp.expert_down, np.stack([take(e + "down_proj.weight") for e in experts]),
-                   p + "mlp.experts.*.down_proj.weight")
+            put(layer.mlp.router, take(p + "mlp.gate.weight"), p + "mlp.gate.weight")
+            put(layer.mlp.expert_gate_up, np.stack([np.concatenate([take(e + "gate_proj.weight"),
+                                                                    take(e + "up_proj.weight")]) for e in experts]),
+                p + "mlp.experts.*.gate_up")
+            put(layer.mlp.expert_down, np.stack([take(e + "down_proj.weight") for e in experts]),
+                p + "mlp.experts.*.down_proj.weight")
         else:
-            gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-            assign(layer.mlp.gate_up, np.concatenate([gate, up], axis=0), p + "mlp.gate_up")
-            assign(layer.mlp.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            gate_up = np.concatenate([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], axis=0)
+            units = config.intermediate_size
+            put(layer.mlp.gate_up, interleave_blocks(gate_up, (units, units), mlp), p + "mlp.gate_up")
+            del gate_up
+            put(layer.mlp.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
         # Hugging Face's names for a layer's norms: a Llama's second norm is the MLP's input norm
         # (post_attention_layernorm); a Gemma's is the attention output's, its MLP's input norm pre_feedforward.
         norms = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
@@ -658,9 +695,17 @@ def build_module(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> Llam
                      "mlp_output_norm": "post_feedforward_layernorm"}
         for ours, theirs in norms.items():
             name = f"{p}{theirs}.weight"
-            assign(getattr(layer, ours).weight, take(name), name)
+            put(getattr(layer, ours).weight, take(name), name)
     unused = sorted(set(weights) - used - {"lm_head.weight"})
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
     if unused:
         raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}")
+    if mesh is not None and mesh.size > 1:
+        set_matmul(module, "xla")  # XLA partitions its own product; the CPU kernel is a custom call it cannot
     return module
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(stack: jax.Array, value: jax.Array, layer: jax.Array) -> jax.Array:
+    """stack [L, ...] with value [...] written at `layer`, in place (the stack is donated), sharded as it was."""
+    return jax.lax.dynamic_update_index_in_dim(stack, value, layer, 0)

@@ -22,9 +22,12 @@ import zlib
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxspec.sharding import ShardingRules, axis_size, check_rules, param_spec
 
 from .config import ModelConfig, RopeConfig
-from .llama import Llama
+from .llama import LayerLoop, Llama, abstract_llama, interleave_blocks, set_matmul
 
 PREFIX = "random:"
 
@@ -91,7 +94,6 @@ def random_config(name: str, dtype: str = "float32") -> ModelConfig:
     return dataclasses.replace(RANDOM_SHAPES[shape], dtype=dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
 def _uniform(seed: jax.Array, *, shape: tuple[int, ...], dtype, scale: float) -> jax.Array:
     """[*shape] in `dtype`: values uniform on [-sqrt(3), sqrt(3)) x `scale` (standard deviation `scale`), from
     seed u32[]; one fused elementwise program, so no wider intermediate is stored."""
@@ -103,15 +105,39 @@ def _uniform(seed: jax.Array, *, shape: tuple[int, ...], dtype, scale: float) ->
     return (unit * (scale * math.sqrt(3.0))).astype(dtype).reshape(shape)
 
 
-def random_module(config: ModelConfig, seed: int = 0) -> Llama:
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale", "parts", "blocks", "sharding"))
+def _draw(seeds: jax.Array, *, shape: tuple[int, ...], dtype, scale: float, parts: tuple[int, ...] | None,
+          blocks: int, sharding: NamedSharding | None) -> jax.Array:
+    """One tensor [*shape] (seeds u32[]), or a scanned stack [L, *shape] of one per layer (seeds u32[L]), its rows
+    re-laid out as `blocks` per-device blocks of `parts` where given, and made in `sharding`'s shards."""
+    def one(seed):
+        w = _uniform(seed, shape=shape, dtype=dtype, scale=scale)
+        return w if parts is None else interleave_blocks(w, parts, blocks)
+
+    w = jax.vmap(one)(seeds) if seeds.ndim else one(seeds)
+    return w if sharding is None else jax.lax.with_sharding_constraint(w, sharding)
+
+
+def random_module(config: ModelConfig, seed: int = 0, *, layer_loop: LayerLoop = "unroll", mesh: Mesh | None = None,
+                  rules: ShardingRules | None = None) -> Llama:
     """A Llama of `config` with random weights: embeddings of standard deviation 1, projections of 0.02 (the
     scales `Llama` initialises with), unit norm scales (zero weights for Gemma's 1 + w), zero biases.
 
-    Each weight's seed is a hash of `seed` and the weight's path, so a tensor does not depend on the order the
-    others are drawn in; a tied LM head is the embedding's transpose, as `build_module` lays it out.
+    Each weight's seed is a hash of `seed` and the weight's path (a scanned stack's layer i: that of layer i
+    unrolled), so a tensor depends neither on the order the others are drawn in nor on `layer_loop`; a tied LM
+    head is the embedding's transpose, as `build_module` lays it out. Each tensor is drawn where it lives: a
+    scanned stack [L, ...] at once, never stacked from a second copy, and with a `mesh` straight into the shards
+    `rules` (default `ShardingRules()`) give it, its fused projections in their per-device blocks: the model
+    `LanguageModel.on_mesh` makes of the one-device draw, without a device ever holding more than its share.
     """
-    module = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), layer_loop="unroll"))  # drawn layer by layer
+    rules = ShardingRules() if mesh is not None and rules is None else rules
+    if mesh is not None:
+        check_rules(mesh, rules, config)
+    heads, mlp = axis_size(mesh, rules and rules.heads), axis_size(mesh, rules and rules.mlp)
+    module = abstract_llama(config, layer_loop, heads, mlp)  # drawn tensor by tensor
     dtype = config.jnp_dtype
+    qkv = (config.num_heads * config.head_dim,) + (config.num_kv_heads * config.head_dim,) * 2
+    blocked = {"qkv": (qkv, heads), "gate_up": ((config.intermediate_size,) * 2, mlp)}
     for path, param in nnx.iter_graph(module):
         if not isinstance(param, nnx.Param):
             continue
@@ -119,13 +145,23 @@ def random_module(config: ModelConfig, seed: int = 0) -> Llama:
         if name == "lm_head" and config.tie_word_embeddings:
             continue
         shape = tuple(param.get_value().shape)
-        if name.endswith("weight") and len(shape) == 1:  # RMSNorm scales
-            param.set_value(jnp.full(shape, 0.0 if config.gemma_norms else 1.0, dtype))
+        sharding = None if mesh is None else NamedSharding(mesh, param_spec(path, len(shape), rules))
+        stacked = layer_loop == "scan" and path[0] == "layers"  # [L, ...]: one layer's tensor per layer
+        if name.endswith("weight") and len(shape) == 1 + stacked:  # RMSNorm scales
+            param.set_value(jnp.full(shape, 0.0 if config.gemma_norms else 1.0, dtype, device=sharding))
         elif name.endswith("bias"):
-            param.set_value(jnp.zeros(shape, dtype))
+            param.set_value(jnp.zeros(shape, dtype, device=sharding))
         else:
-            tensor_seed = jnp.uint32(zlib.crc32(f"{seed}:{name}".encode()))
-            param.set_value(_uniform(tensor_seed, shape=shape, dtype=dtype, scale=1.0 if name == "embed" else 0.02))
+            names = [f"layers.{i}.{name[len('layers.'):]}" for i in range(config.num_layers)] if stacked else [name]
+            seeds = jnp.asarray([zlib.crc32(f"{seed}:{n}".encode()) for n in names], jnp.uint32)
+            parts, blocks = blocked.get(str(path[-1]), (None, 1))
+            value = _draw(seeds if stacked else seeds[0], shape=shape[stacked:], dtype=dtype,
+                          scale=1.0 if name == "embed" else 0.02, parts=parts, blocks=blocks, sharding=sharding)
+            # Drawn in place already; this names the sharding as `param_spec` writes it (a compiled program
+            # drops trailing Nones), so models placed either way are alike down to their jit cache keys.
+            param.set_value(value if sharding is None else jax.device_put(value, sharding))
     if config.tie_word_embeddings:
         module.lm_head.set_value(module.embed[...].T)
+    if mesh is not None and mesh.size > 1:
+        set_matmul(module, "xla")  # as `LanguageModel.on_mesh` does: XLA partitions its own product
     return module

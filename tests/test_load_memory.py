@@ -3,12 +3,15 @@
 The checkpoint is written here shard by shard (random float32 weights, a Llama layout without tied embeddings,
 so the model holds exactly the checkpoint's bytes), and loaded in a fresh process, whose peak resident memory
 above what it held before `load_model` must stay within 1.3x the parameter bytes. The default run loads a quarter
-of a billion parameters; `-m slow` runs the same at 1.5 billion (Llama-3.2-1B's shapes with an untied head).
+of a billion parameters, onto one device and onto a mesh of 8 forced CPU devices that split every matrix (each
+tensor goes from the file to its devices' shards, never whole to one device first, scanned or unrolled); `-m slow`
+runs the one-device load at 1.5 billion (Llama-3.2-1B's shapes with an untied head).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -26,11 +29,13 @@ import sys
 import jax.numpy as jnp
 jnp.zeros(1).block_until_ready()
 from jaxspec.models.loading import load_model
+from jaxspec.sharding import make_mesh
 def status(key):
     with open("/proc/self/status") as f:
         return 1024 * int(next(line for line in f if line.startswith(key)).split()[1])
+mesh = make_mesh(1, 8) if sys.argv[2] != "none" else None
 before = status("VmRSS")
-lm = load_model(sys.argv[1])
+lm = load_model(sys.argv[1], mesh=mesh, layer_loop=sys.argv[3])
 print(before, status("VmHWM"))
 """
 
@@ -77,19 +82,36 @@ def _write_sharded(path, *, vocab, hidden, intermediate, layers, heads, kv_heads
     return total
 
 
-def _peak_ratio(path, parameter_bytes: int) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, timeout=600)
+def _peak_ratio(path, parameter_bytes: int, mesh: bool = False, layer_loop: str = "unroll") -> float:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu") if mesh else None
+    out = subprocess.run([sys.executable, "-c", CHILD, str(path), "1x8" if mesh else "none", layer_loop],
+                         capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     before, peak = map(int, out.stdout.split())
     return (peak - before) / parameter_bytes
 
 
-def test_a_sharded_checkpoint_loads_without_a_second_copy(tmp_path):
-    size = _write_sharded(tmp_path, vocab=32000, hidden=1024, intermediate=2816, layers=16, heads=16, kv_heads=8,
+@pytest.fixture(scope="module")
+def quarter_billion(tmp_path_factory):
+    """(path, parameter bytes) of a quarter of a billion float32 parameters in 3 files."""
+    path = tmp_path_factory.mktemp("quarter_billion")
+    size = _write_sharded(path, vocab=32000, hidden=1024, intermediate=2816, layers=16, heads=16, kv_heads=8,
                           head_dim=64, shards=3)
-    assert size > 10**9  # a quarter of a billion float32 parameters
-    ratio = _peak_ratio(tmp_path, size)
+    assert size > 10**9
+    return path, size
+
+
+def test_a_sharded_checkpoint_loads_without_a_second_copy(quarter_billion):
+    ratio = _peak_ratio(*quarter_billion)
     assert ratio <= LIMIT, f"peak resident memory {ratio:.2f}x the parameter bytes"
+
+
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_a_sharded_checkpoint_loads_onto_a_mesh_without_a_second_copy(quarter_billion, layer_loop):
+    """Loading whole onto one device and placing it then (`LanguageModel.on_mesh`) peaks near 2.6x unrolled and
+    3.4x scanned: the whole model, its re-laid-out copy and the shards."""
+    ratio = _peak_ratio(*quarter_billion, mesh=True, layer_loop=layer_loop)
+    assert ratio <= LIMIT, f"peak resident memory {ratio:.2f}x the parameter bytes ({layer_loop}, 1x8 mesh)"
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from flax import nnx
 import jaxspec
 from jaxspec.models.llama import Llama
 from jaxspec.models.loading import gguf_config, named_model_path
-from jaxspec.models.random_shapes import RANDOM_SHAPES, _uniform, random_config
+from jaxspec.models.random_shapes import RANDOM_SHAPES, _draw, random_config
 
 # Parameter counts of the published checkpoints (a tied head counted once).
 # Qwen3-8B: its safetensors index's total_size, 16,381,470,720 bytes of bfloat16.
@@ -76,11 +76,14 @@ def test_weights_are_random_in_the_asked_dtype(bf16_model):
     assert np.all(np.asarray(lm.params["norm"]["weight"][...]) == 1)
 
 
-def test_drawing_a_bfloat16_tensor_stores_no_wider_copy():
-    compiled = _uniform.lower(jnp.uint32(1), shape=(4096, 1024), dtype=jnp.bfloat16, scale=0.02).compile()
+@pytest.mark.parametrize("seeds", [jnp.uint32(1), jnp.arange(4, dtype=jnp.uint32)], ids=["tensor", "stack"])
+def test_drawing_a_bfloat16_tensor_stores_no_wider_copy(seeds):
+    """A tensor, or a scanned stack of one per layer, is drawn in its own dtype: no float32 copy of it is stored."""
+    compiled = _draw.lower(seeds, shape=(4096, 1024), dtype=jnp.bfloat16, scale=0.02, parts=None, blocks=1,
+                           sharding=None).compile()
     memory = compiled.memory_analysis()
-    assert memory.output_size_in_bytes == 4096 * 1024 * 2
-    assert memory.temp_size_in_bytes < 4096 * 1024  # below one float32 copy (0 on XLA:CPU)
+    assert memory.output_size_in_bytes == seeds.size * 4096 * 1024 * 2
+    assert memory.temp_size_in_bytes < 4096 * 1024  # below one float32 copy of a layer (0 on XLA:CPU)
 
 
 def test_the_same_name_draws_the_same_weights(bf16_model):

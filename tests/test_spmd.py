@@ -206,6 +206,44 @@ SCANNED = COMMON + textwrap.dedent("""
 """)
 
 
+LOADED = COMMON + textwrap.dedent("""
+    import dataclasses, sys, tempfile
+    sys.path.insert(0, ".")
+    from jaxspec.models.random_shapes import random_module
+    from tests.reference_numpy import random_hf_checkpoint
+
+    # A Qwen2-style checkpoint (q/k/v biases) in 3 files, 8 query and 4 KV heads: a model axis of 4 splits both.
+    path = tempfile.mkdtemp()
+    random_hf_checkpoint(path, dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                    num_attention_heads=8, num_key_value_heads=4, head_dim=8, attention_bias=True,
+                                    tie_word_embeddings=False), seed=0, shards=3)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 96, 10).tolist()
+    prompts = [base * 3, rng.integers(0, 96, 17).tolist(), base[:4] * 5, base * 2]
+    mesh = make_mesh(2, 4)
+
+    def same(got, want, what):  # alike down to the graph (blocks, layer loop, matmul) and each leaf's sharding
+        assert got.graphdef == want.graphdef, what
+        for (name, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(got.params),
+                                     jax.tree_util.tree_leaves_with_path(want.params)):
+            assert a.sharding == b.sharding, (what, name, a.sharding, b.sharding)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str((what, name)))
+
+    for loop in ("unroll", "scan"):
+        lm = jaxspec.load_model(path, layer_loop=loop)
+        tied = dataclasses.replace(lm.config, tie_word_embeddings=True)
+        got = jaxspec.load_model(path, layer_loop=loop, mesh=mesh)  # each tensor read straight onto its devices
+        same(got, lm.on_mesh(mesh), loop)  # loaded whole, then placed
+        ref = jaxspec.generate(lm, prompts, max_new_tokens=16, ignore_eos=True)
+        out = jaxspec.generate(got, prompts, max_new_tokens=16, ignore_eos=True)
+        assert out.token_ids == ref.token_ids, loop
+        # Random weights drawn straight into their shards: the one-device draw, placed.
+        drawn = jaxspec.LanguageModel.from_module(random_module(tied, layer_loop=loop, mesh=mesh))
+        same(drawn, jaxspec.LanguageModel.from_module(random_module(tied, layer_loop=loop)).on_mesh(mesh), loop)
+    print("loaded OK")
+""")
+
+
 EXPERTS = COMMON + textwrap.dedent("""
     # 8 experts, 2 a token: a (2, 4) mesh holds 2 whole experts a device.
     cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_layers=2, num_heads=8,
@@ -311,6 +349,12 @@ def test_scanned_layers_on_a_mesh():
     """A scanned layer stack split over a (2, 4) mesh: generate's tokens, the stacked parameters' and cache's
     shardings."""
     assert "scan OK" in _run(SCANNED)
+
+
+def test_checkpoint_loads_onto_a_mesh():
+    """A sharded checkpoint loaded with mesh= (each tensor straight onto its devices, unrolled and scanned) holds
+    what loading it whole and then placing it holds, sharded alike, and generates the single-device tokens."""
+    assert "loaded OK" in _run(LOADED)
 
 
 def test_experts_on_a_mesh():
