@@ -23,11 +23,12 @@ demo: install
 # Two pytest workers (pytest-xdist), a test file each at a time: on a 2-core machine they run the suite in a little
 # over half its serial wall time (warm compilation cache). --dist loadfile keeps a file's module fixtures (a served
 # model, a compiled loop) in one worker. A worker holds several GiB (about 5.5 at peak).
-# `python -m pytest tests/test_x.py` still runs one file alone, in one process.
+# `python -m pytest tests/test_x.py` still runs one file alone, in one process. The slowest tests are listed at
+# the end, so what the suite's time goes to is in every run's log.
 TEST_WORKERS ?= 2
 
 test: install
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # ruff with the settings in pyproject.toml ([tool.ruff]); the [lint] extra pins its version.
 lint:
@@ -73,3 +74,4 @@ bench: install
 	$(PYTHON) scripts/bench_kernel.py profile --api generate --method sam --prompts 1 --samples 1 --temperature 0 \
 		--top 5 --threads 2 --write-page
 	$(PYTHON) scripts/bench_kernel.py moe --tokens 1,2,8,16,64 --repeats 5 --write-page
+	$(PYTHON) scripts/bench_kernel.py load --repeats 3 --write-page

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The kernels and devices: verification attention on a GPU (Pallas against XLA), the CPU matmul kernel's verify
-cost, the model on device meshes, a decode step against the device's roofline, and a mixture of experts' MLP.
+cost, the model on device meshes, a decode step against the device's roofline, a mixture of experts' MLP, and
+loading a checkpoint onto devices.
 
     python scripts/bench_kernel.py [ARGS]               # verification attention on a GPU (below)
     python scripts/bench_kernel.py verify-cost [ARGS]   # c(T): XLA's matmul, the CPU kernel (benchkit/verify_cost.py)
@@ -8,6 +9,7 @@ cost, the model on device meshes, a decode step against the device's roofline, a
     python scripts/bench_kernel.py roofline [ARGS]      # a decode step against its roofline (benchkit/roofline.py)
     python scripts/bench_kernel.py profile [ARGS]       # where the time goes: a profiler trace (benchkit/profile.py)
     python scripts/bench_kernel.py moe [ARGS]           # a mixture of experts' MLP, three ways (benchkit/moe.py)
+    python scripts/bench_kernel.py load [ARGS]          # a checkpoint's load: seconds, peak memory (benchkit/load.py)
 
 Verification attention on a GPU: the Pallas kernel against XLA's attention, side by side.
 
@@ -125,7 +127,7 @@ def measure(args, batch: int, num_new: int, num_slots: int, rng: np.random.Gener
 
 
 MODES = {"verify-cost": "benchkit.verify_cost", "mesh": "benchkit.mesh", "roofline": "benchkit.roofline",
-         "profile": "benchkit.profile", "moe": "benchkit.moe"}
+         "profile": "benchkit.profile", "moe": "benchkit.moe", "load": "benchkit.load"}
 
 
 def main(argv=None) -> int:

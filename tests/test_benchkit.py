@@ -20,12 +20,13 @@ from benchkit import cli, machine, page, tables, timing, trace, workloads  # noq
 from benchkit.acceptance import pooled_acceptance_length  # noqa: E402
 
 # Each benchmark script and the demo, bench.py's two pass-throughs to other scripts, and the modes that run
-# benchkit modules (bench_kernel's verify-cost, mesh, roofline, profile and moe, bench_serve's --engine).
+# benchkit modules (bench_kernel's verify-cost, mesh, roofline, profile, moe and load, bench_serve's --engine).
 HELP_COMMANDS = {p.name: [p.name] for p in sorted(SCRIPTS.glob("bench*.py"))} | {
     "demo.py": ["demo.py"], "bench.py --spec": ["bench.py", "--spec"], "bench.py --heads": ["bench.py", "--heads"],
     "bench_kernel.py verify-cost": ["bench_kernel.py", "verify-cost"],
     "bench_kernel.py mesh": ["bench_kernel.py", "mesh"], "bench_kernel.py profile": ["bench_kernel.py", "profile"],
     "bench_kernel.py roofline": ["bench_kernel.py", "roofline"], "bench_kernel.py moe": ["bench_kernel.py", "moe"],
+    "bench_kernel.py load": ["bench_kernel.py", "load"],
     "bench_serve.py --engine": ["bench_serve.py", "--engine"]}
 # The benchmarks a user runs: a short list on purpose (a one-question experiment becomes an option of one of
 # these, or its conclusion goes into the docs).
