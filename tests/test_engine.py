@@ -509,29 +509,39 @@ def test_warmup_compiles_every_batched_prefill(tiny_lm, fresh_engine, caplog):
 
 
 def test_warmup_serves_plainly_while_speculation_compiles(tiny_lm, fresh_engine, monkeypatch):
-    """By default warm-up compiles each bucket's chunk at verify width 1 and serves at once; the speculative chunk
-    compiles on a thread. A request served before it is ready decodes plainly (nothing scored as a draft), one
-    served after speculates, and both give the offline greedy tokens."""
+    """By default warm-up compiles the smallest bucket's chunk at verify width 1 and serves at once; the larger
+    buckets and the speculative chunks compile on a thread. Requests served before they are ready run one at a
+    time (the batch never grows past the one bucket compiled) and decode plainly (nothing scored as a draft);
+    served after, they share the larger bucket and speculate; all give the offline greedy tokens."""
     from jaxspec.engine.runner import Runner
 
     gate = threading.Event()
     compile_ahead = Runner._compile_ahead
     monkeypatch.setattr(Runner, "_compile_ahead", lambda self, work: gate.wait(TIMEOUT_S) and compile_ahead(
         self, work))
-    engine = fresh_engine(dataclasses.replace(CONFIG, slot_buckets=(1, 4)))
+    buckets = []  # the slot bucket in use at each admission
+    engine = fresh_engine(dataclasses.replace(CONFIG, slot_buckets=(1, 4)), observers=[
+        lambda kind, info: buckets.append(len(engine.occupancy())) if kind == "admit" else None])
     engine.start(warmup=True)
     assert engine.ready.wait(TIMEOUT_S) and engine.failed is None
     assert engine.runner.speculating == () and not engine.wait_compiled(0.1)
-    request = Request(PROMPTS[0], N, method="sam")
-    before = run_all(engine, [request])[0]
-    assert before.tokens == offline(tiny_lm, PROMPTS[0])[:N]
-    assert before.final.stats.drafted == 0 and before.final.stats.steps > 0
+    assert engine.runner.largest_bucket == 1
+    requests = [Request(p, N, method="sam") for p in PROMPTS[:3]]
+    before = run_all(engine, requests)
+    for req, c in zip(requests, before):
+        assert c.tokens == offline(tiny_lm, req.prompt_ids)[:N]
+        assert c.final.stats.drafted == 0 and c.final.stats.steps > 0
+    assert buckets == [1, 1, 1], buckets
     gate.set()
     assert engine.wait_compiled(TIMEOUT_S) and engine.runner.speculating == (1, 4)
-    after = run_all(engine, [request])[0]
-    assert after.tokens == before.tokens
-    assert after.final.stats.drafted > 0 and after.final.stats.accepted > 0
-    assert after.final.stats.steps < before.final.stats.steps
+    assert engine.runner.largest_bucket == 4
+    buckets.clear()
+    after = run_all(engine, requests)
+    for b, a in zip(before, after):
+        assert a.tokens == b.tokens
+        assert a.final.stats.drafted > 0 and a.final.stats.accepted > 0
+        assert a.final.stats.steps < b.final.stats.steps
+    assert max(buckets) == 4, buckets  # three requests at once: the batch grew to the bucket compiled for it
 
 
 def test_warmup_without_background_compiles_speculation_first(tiny_lm, fresh_engine):

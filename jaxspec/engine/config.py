@@ -50,10 +50,11 @@ class EngineConfig:
     constraint_edges: int = 1 << 22
     # How large a constraint may be and its compile's time and memory budget (None: ConstraintLimits()).
     constraint_limits: ConstraintLimits | None = None
-    # Warm-up (`Engine.start(warmup=True)`) compiles each slot bucket's chunk at verify width 1 only, serves, and
-    # compiles the speculative chunks (every verify width, one target forward each) and the longer prompts'
-    # prefills on a thread while requests are served: the engine answers within a plain program's compile time and
-    # speculates once its programs are ready. False compiles all of it before serving.
+    # Warm-up (`Engine.start(warmup=True)`) compiles the smallest slot bucket's chunk at verify width 1 only,
+    # serves, and compiles the rest on a thread while requests are served: the larger buckets' plain chunks,
+    # prefills and writes (the batch grows to each once it is ready), the speculative chunks (every verify width,
+    # one target forward each) and the longer prompts' prefills. The engine answers within one plain program's
+    # compile time, and batches and speculates as its programs become ready. False compiles all of it first.
     background_compile: bool = True
 
     def __post_init__(self):

@@ -134,6 +134,11 @@ def _shapes(tree):
     return jax.tree.map(shape, tree)
 
 
+def _requests(count: int, length: int) -> list[Request]:
+    """`count` dummy requests of `length`-token prompts and two new tokens: what warm-up runs to compile."""
+    return [Request([1] * length, 2) for _ in range(count)]
+
+
 class Runner:
     """The engine's batch on the device and the programs over it; only the engine's loop thread calls it."""
 
@@ -186,6 +191,10 @@ class Runner:
         # proposers keep their state, so the first chunk that speculates drafts from the whole text.
         self._speculating: set[int] = set()
         self._plain_until_compiled = False
+        # The largest slot bucket the batch may grow to (`largest_bucket`): every bucket, unless `warmup` left the
+        # larger buckets' programs compiling on its thread, which raises it as each bucket becomes ready (an int,
+        # assigned whole: the loop thread reads it between chunks).
+        self._largest_ready = config.slot_buckets[-1]
         self._compiling: threading.Thread | None = None
         self._stop_compiling = threading.Event()
 
@@ -203,17 +212,20 @@ class Runner:
     # ------------------------------------------------------------------ the batch
 
     def prefill(self, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams, limits: RowLimits,
-                wants_logprobs: bool | np.ndarray, initial: Sequence[int] | None = None) -> DecodeState:
+                wants_logprobs: bool | np.ndarray, initial: Sequence[int] | None = None,
+                own_batch: bool = False) -> DecodeState:
         """A state of prompts.shape[0] rows (prompts i32[B, P], prompt_lens i32[B]) in the batch's row shape;
         `wants_logprobs` for every row, or bool[B] one per row; `initial` each row's constraint state in the
-        batch's stacked automata (None: every row free)."""
-        args, kwargs = self._prefill_args(prompts, prompt_lens, sampling, limits, wants_logprobs, initial)
+        batch's stacked automata (None: every row free). `own_batch`: for a batch other than the engine's (the
+        compiling thread's), with a stack of automata of its own."""
+        args, kwargs = self._prefill_args(prompts, prompt_lens, sampling, limits, wants_logprobs, initial, own_batch)
         state = prefill(*args, **kwargs)
         # Per-request counters only: the engine reads totals, not each step's commit count.
         return state.replace(counters=SpecCounters.zeros(prompts.shape[0], self.loop_k, 1))
 
     def _prefill_args(self, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams, limits: RowLimits,
-                      wants_logprobs: bool | np.ndarray, initial: Sequence[int] | None = None) -> tuple[tuple, dict]:
+                      wants_logprobs: bool | np.ndarray, initial: Sequence[int] | None = None,
+                      own_batch: bool = False) -> tuple[tuple, dict]:
         """The arguments of `jaxspec.decode.prefill` for `prefill` (and for compiling it ahead, `warmup`)."""
         width = prompts.shape[1]
         caps = jnp.zeros((self.config.max_slots + 1,), jnp.int32)
@@ -221,17 +233,20 @@ class Runner:
         top = self.config.max_logprobs
         rows = None if top is None else jnp.asarray(np.broadcast_to(wants_logprobs, (prompts.shape[0],)))
         args = (self.lm.graphdef, self.lm.params, prompts, prompt_lens, sampling, limits,
-                MixedParams(caps, self._member_params), rows, None, self._constraint_rows(prompts.shape[0], initial))
+                MixedParams(caps, self._member_params), rows, None,
+                self._constraint_rows(prompts.shape[0], initial, own_batch))
         # Every row counts its tokens too (one state shape), so any request may ask for penalties.
         kwargs = dict(proposer=self.proposer, cache_len=self.config.cache_len,
                       buffer_len=self.config.cache_len - width, num_top_logprobs=top or 0, track_counts=True)
         return args, kwargs
 
-    def _constraint_rows(self, batch: int, initial: Sequence[int] | None) -> ConstraintRows | None:
-        """The prefill's constraints: rows in the batch's current stack of automata (a free one before any)."""
+    def _constraint_rows(self, batch: int, initial: Sequence[int] | None,
+                         own_batch: bool = False) -> ConstraintRows | None:
+        """The prefill's constraints: rows in the batch's current stack of automata (a free one before any, or
+        for `own_batch`: the compiling thread must not read the batch, whose arrays the loop's chunks donate)."""
         if not self.config.constraints:
             return None
-        if self.state is None or self.state.constraint is None:
+        if own_batch or self.state is None or self.state.constraint is None:
             automaton = BatchShared(self._stack([None])[0])
         else:
             automaton = self.state.constraint.automaton
@@ -317,7 +332,8 @@ class Runner:
         return fits[0]
 
     def prefill_requests(self, requests: Sequence[Request], methods: Sequence[str],
-                         stop_ids: Sequence[Sequence[int]], initial: Sequence[int] | None = None) -> DecodeState:
+                         stop_ids: Sequence[Sequence[int]], initial: Sequence[int] | None = None,
+                         own_batch: bool = False) -> DecodeState:
         """One prefill of `requests` together: a state of `prefill_size(len(requests))` rows, row i request i's
         (its method's proposer chosen, its own draft budget), then dummy rows (one-token prompts, done at once)
         whose results nobody reads. The prompts are padded to the prompt bucket of the longest. Each row's
@@ -325,7 +341,7 @@ class Runner:
         not depend on the rows beside it."""
         if initial is not None:  # dummy rows decode free
             initial = list(initial) + [FREE] * (self.prefill_size(len(requests)) - len(requests))
-        rows = self.prefill(*self._prefill_inputs(requests, stop_ids), initial=initial)
+        rows = self.prefill(*self._prefill_inputs(requests, stop_ids), initial=initial, own_batch=own_batch)
         choice = np.zeros((rows.done.shape[0],), np.int32)  # i32[B] each row's member proposer
         budget = np.zeros((rows.done.shape[0],), np.int32)  # i32[B] each row's own draft budget (0: none)
         for i, (r, method) in enumerate(zip(requests, methods)):
@@ -366,10 +382,7 @@ class Runner:
         slots_, requests, methods, stop_ids = zip(*admissions)
         initial = self._restack(slots_, requests, occupied) if self.config.constraints else None
         rows = self.prefill_requests(requests, methods, stop_ids, initial)
-        if rows.done.shape[0] == 1:  # one request: written as it always was
-            self.state = slots.insert(self.state, rows, jnp.asarray(slots_[0], jnp.int32))
-        else:
-            self.state = slots.insert_rows(self.state, rows, self._destinations(slots_, rows.done.shape[0]))
+        self.state = self._write_rows(self.state, rows, slots_)
         history, done = jax.device_get((rows.history, rows.done))
         buffer = None
         if any(r.logprobs is not None for r in requests):
@@ -385,12 +398,16 @@ class Runner:
             updates.append(RowUpdate(tokens=[first], from_draft=[False], done=bool(done[i]), logprobs=logprobs))
         return updates
 
-    def _destinations(self, slots_: Sequence[int], size: int) -> jax.Array:
-        """i32[size]: the batch row each prefilled row goes to; dummy rows get B, B + 1, ... (out of range:
-        dropped; distinct, as the scatter's unique indices promise)."""
-        dest = self.num_slots + np.arange(size, dtype=np.int32)
+    @staticmethod
+    def _write_rows(state: DecodeState, rows: DecodeState, slots_: Sequence[int]) -> DecodeState:
+        """`state` (donated) with prefilled row i written into slot slots_[i]; the dummy rows padding `rows` to
+        a prefill batch size go to rows B, B + 1, ... (out of range: dropped; distinct, as the scatter's unique
+        indices promise)."""
+        if rows.done.shape[0] == 1:  # one request: written as it always was
+            return slots.insert(state, rows, jnp.asarray(slots_[0], jnp.int32))
+        dest = state.done.shape[0] + np.arange(rows.done.shape[0], dtype=np.int32)  # i32[size]
         dest[:len(slots_)] = slots_
-        return jnp.asarray(dest)
+        return slots.insert_rows(state, rows, jnp.asarray(dest))
 
     def admit(self, slot: int, request: Request, method: str, stop_ids: Sequence[int]) -> RowUpdate:
         """Prefill `request` alone and write its row into `slot` (`admit_batch` of one)."""
@@ -497,52 +514,48 @@ class Runner:
         and the prefill of the smallest prompt bucket at every prefill batch size with its writes. Leaves a batch
         of the smallest bucket, every row finished.
 
-        With `background` (and several verify widths), the chunks compiled here score at width 1 alone: one
-        target forward per program instead of one per width, so the engine serves, plainly, within the time a
-        plain program takes to compile. The speculative chunks (every width) and the prefills of longer prompts
-        then compile on a thread of their own while requests are served, each used from its next call once
-        compiled: a bucket speculates from the chunk after its program is ready. Without `background` all of it
-        compiles here, before returning."""
+        With `background`, only the smallest slot bucket is compiled here, and its chunk scores at width 1 alone
+        (one target forward per program instead of one per width), so the engine serves, plainly and a request
+        at a time, within the time one plain program takes to compile. The rest compiles on a thread of its own
+        while requests are served, each used from its next call once compiled: first each larger bucket's plain
+        chunk, prefills and writes, after which the batch may grow to it (`largest_bucket`); then every bucket's
+        speculative chunk (every width), after which that bucket speculates; then the prefills of longer prompts.
+        Without `background` all of it compiles here, before returning."""
         t0 = time.perf_counter()
-        method = self.config.spec.method
-        sizes = self.config.prefill_batch_sizes
-        fewest = dict(zip(sizes, (1, *(s + 1 for s in sizes[:-1]))))  # the fewest requests padded to each size
+        buckets = self.config.slot_buckets
         self._plain_until_compiled = background and len(self.widths) > 1
-        _log.info("compiling the chunks of slot buckets %s (verify widths %s) and the prefill; /health answers when "
-                  "done", self.config.slot_buckets, (1,) if self._plain_until_compiled else self.widths)
+        now = buckets[:1] if background else buckets
+        _log.info("compiling the chunk of slot bucket%s %s (verify widths %s) and the prefill; /health answers when "
+                  "done", "s" if len(now) > 1 else "", ", ".join(map(str, now)),
+                  (1,) if self._plain_until_compiled else self.widths)
         ahead = []  # what `_compile_ahead` compiles once the engine serves
-
-        def requests(count: int, length: int) -> list[Request]:
-            return [Request([1] * length, 2) for _ in range(count)]
-
-        for n in self.config.slot_buckets:
+        for n in now:
             self.regroup([], n)
-            for size in sizes:  # run at the smallest prompt bucket: the prefill and the rows' writes
-                if fewest[size] <= n:
-                    self.admit_batch([(i, r, method, ()) for i, r in enumerate(requests(fewest[size], 3))])
-            if self._plain_until_compiled:
-                ahead.append(("chunk", n))
-            self._decode([None] * n, np.zeros(self.config.max_slots + 1, np.int32))
-            if self.state.logprobs is not None:
-                window(self.state.logprobs, jnp.zeros((n,), jnp.int32), size=self.logprob_window)
-        self.regroup([], self.config.slot_buckets[0])
+            self.state = self._fill_bucket(n)
+        if background:
+            self._largest_ready = buckets[0]
+            ahead += [("bucket", n) for n in buckets[1:]]
+        if self._plain_until_compiled:
+            ahead += [("chunk", n) for n in buckets]
+        self.regroup([], buckets[0])
+        method, sizes = self.config.spec.method, self.config.prefill_batch_sizes
         width = BUCKET_MIN * 2
         while width // 2 < self.config.max_context - 1:
             length = min(width, self.config.max_context - 2)
             if background:  # shapes only: the thread must not read the batch's arrays, which chunks donate
                 for size in sizes:
-                    args, kwargs = self._prefill_args(*self._prefill_inputs(requests(size, length), [()] * size))
+                    args, kwargs = self._prefill_args(*self._prefill_inputs(_requests(size, length), [()] * size))
                     ahead.append(("prefill", (args[0], *_shapes(args[1:])), kwargs))
             else:
-                self.admit(0, requests(1, length)[0], method, ())
+                self.admit(0, _requests(1, length)[0], method, ())
                 for size in sizes[1:]:  # compiled, not run: a prefill of many long prompts takes a while
-                    args, kwargs = self._prefill_args(*self._prefill_inputs(requests(size, length), [()] * size))
+                    args, kwargs = self._prefill_args(*self._prefill_inputs(_requests(size, length), [()] * size))
                     prefill.lower(*args, **kwargs).compile()
             width *= 2
         self.state = self.state.replace(done=jnp.ones_like(self.state.done))
-        _log.info("compiled %d slot buckets and the prefill (batch sizes %s) in %.1f s%s",
-                  len(self.config.slot_buckets), sizes, time.perf_counter() - t0,
-                  "; speculation and longer prompts compile in the background" if ahead else "")
+        _log.info("compiled slot bucket%s %s and the prefill (batch sizes %s) in %.1f s%s",
+                  "s" if len(now) > 1 else "", ", ".join(map(str, now)), sizes, time.perf_counter() - t0,
+                  "; larger buckets, speculation and longer prompts compile in the background" if ahead else "")
         if ahead:
             self._compiling = threading.Thread(target=self._compile_ahead, args=(ahead,), daemon=True,
                                                name="jaxspec-engine-compile")
@@ -550,19 +563,62 @@ class Runner:
             _COMPILING.add(self._compiling)
             self._compiling.start()
 
+    def _fill_bucket(self, n: int, state: DecodeState | None = None) -> DecodeState:
+        """Run what serving at slot bucket n calls, so each of its programs is compiled: the prefill of the
+        smallest prompt bucket at each prefill batch size a batch of n rows admits, each writing its rows into
+        the batch, a chunk (width 1 while `_plain_until_compiled`, else every width) and the log-probability
+        readback. On the engine's batch of n finished rows (state None, the loop thread: `warmup`), or on
+        `state`, n finished rows of the compiling thread's own (donated), admitted with automata of their own, so
+        nothing read is the engine's. Returns the batch after the chunk."""
+        own_batch = state is not None
+        sizes = self.config.prefill_batch_sizes
+        fewest = dict(zip(sizes, (1, *(s + 1 for s in sizes[:-1]))))  # the fewest requests padded to each size
+        method = self.config.spec.method
+        for count in (fewest[size] for size in sizes if fewest[size] <= n):
+            if own_batch:
+                initial = [FREE] * count if self.config.constraints else None
+                rows = self.prefill_requests(_requests(count, 3), [method] * count, [()] * count, initial, True)
+                state = self._write_rows(state, rows, range(count))
+            else:  # the engine's batch, its automata recorded as an admission records them
+                self.admit_batch([(i, r, method, ()) for i, r in enumerate(_requests(count, 3))])
+        if not own_batch:
+            state = self.state
+        sampling, limits = slots.stack_settings([None] * n, MAX_STOP_IDS)
+        caps = MixedParams(jnp.zeros(self.config.max_slots + 1, jnp.int32), self._member_params)
+        state = decode_chunk(self.lm.graphdef, self.lm.params, state, sampling, limits, caps,
+                             **self._chunk_settings(plain=self._plain_until_compiled))
+        if state.logprobs is not None:
+            window(state.logprobs, jnp.zeros((n,), jnp.int32), size=self.logprob_window)
+        return state
+
+    @property
+    def largest_bucket(self) -> int:
+        """The largest slot bucket the batch may grow to now: the largest there is, unless `warmup` left larger
+        buckets compiling in the background (the scheduler admits no more rows than this holds)."""
+        return self._largest_ready
+
     def _compile_ahead(self, work: list[tuple]) -> None:
-        """On the compiling thread: ("chunk", B) runs the speculative chunk once over B finished rows of its own
-        (the loop ends at once; it compiles the program into the jit cache the loop thread calls, at the batch's
-        own shapes and placement), then marks the bucket speculating; ("prefill", shapes, static) compiles a
-        prefill of those argument shapes ahead of time (into the persistent compilation cache
-        where one is on; without one, the first such request compiles it again)."""
+        """On the compiling thread: ("bucket", B) runs what serving at slot bucket B calls (`_fill_bucket`) on B
+        rows of its own, then lets the batch grow to B; ("chunk", B) runs the speculative chunk once over B
+        finished rows of its own (the loop ends at once; it compiles the program into the jit cache the loop
+        thread calls, at the batch's own shapes and placement), then marks the bucket speculating; ("prefill",
+        shapes, static) compiles a prefill of those argument shapes ahead of time (into the persistent
+        compilation cache where one is on; without one, the first such request compiles it again)."""
         t0 = time.perf_counter()
         with sharding.use_rules(self.lm.mesh, self.lm.rules):  # as the loop thread traces (nothing without a mesh)
             for item in work:
                 if self._stop_compiling.is_set():
                     return
                 try:
-                    if item[0] == "chunk":
+                    if item[0] == "bucket":
+                        n = item[1]
+                        try:
+                            self._fill_bucket(n, self.empty_state(n))
+                        finally:  # compiled, or (failed) compiled by the loop when it first grows to n
+                            self._largest_ready = n
+                        _log.info("serving up to %d slots: its programs compiled in the background in %.1f s", n,
+                                  time.perf_counter() - t0)
+                    elif item[0] == "chunk":
                         n = item[1]
                         sampling, limits = slots.stack_settings([None] * n, MAX_STOP_IDS)
                         caps = MixedParams(jnp.zeros(self.config.max_slots + 1, jnp.int32), self._member_params)
@@ -576,7 +632,8 @@ class Runner:
                         prefill.lower(*args, **kwargs).compile()
                 except Exception:  # noqa: BLE001 - the loop compiles it on demand instead
                     _log.exception("compiling %s ahead failed; it compiles when first needed", item)
-        _log.info("compiled speculation and the prefills in the background in %.1f s", time.perf_counter() - t0)
+        _log.info("compiled larger buckets, speculation and the prefills in the background in %.1f s",
+                  time.perf_counter() - t0)
 
     def stop_compiling(self, wait: bool = True) -> None:
         """Stop the compiling thread after the program it compiles now, and (`wait`) wait for that one: a process

@@ -103,7 +103,8 @@ class Engine:
                  tokenizer=self.lm.tokenizer)
 
     def start(self, warmup: bool = True) -> "Engine":
-        """Launch the loop thread (compiling every slot bucket first with `warmup`); returns the engine."""
+        """Launch the loop thread (compiling first what serving needs with `warmup`: the smallest slot bucket, or
+        every one without `EngineConfig.background_compile`); returns the engine."""
         self._thread = threading.Thread(target=self._run, args=(warmup,), name="jaxspec-engine", daemon=True)
         self._thread.start()
         return self
@@ -158,7 +159,7 @@ class Engine:
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the programs warm-up left compiling in the background (`EngineConfig.background_compile`)
-        are ready and every slot bucket speculates (True), or `timeout` seconds pass (False)."""
+        are ready, every slot bucket serves and speculates (True), or `timeout` seconds pass (False)."""
         if not self.ready.wait(timeout):
             return False
         return self.runner.wait_compiled(timeout)
@@ -269,7 +270,9 @@ class Engine:
             with self._lock:
                 if not self._waiting or (self._stopping and not self._drain):
                     return
-                room = min(self.config.max_slots - self.num_active, self.config.max_prefill_batch)
+                # Up to the largest slot bucket compiled: while warm-up compiles the larger ones in the
+                # background, requests wait for a slot of those that serve.
+                room = min(self.runner.largest_bucket - self.num_active, self.config.max_prefill_batch)
                 if room <= 0:
                     return
                 batch, cancelled, later = [], [], []

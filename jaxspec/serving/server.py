@@ -95,8 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling every batch size before listening (the first requests then wait)")
     p.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="answer /health once the plain programs are compiled and compile speculation and longer "
-                        "prompts' prefills while serving (default); --no-background-compile compiles all of it first")
+                   help="answer /health once the smallest batch's plain programs are compiled, and compile larger "
+                        "batches, speculation and longer prompts' prefills while serving (default); "
+                        "--no-background-compile compiles all of it first")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to finish in-flight requests after SIGINT/SIGTERM (default: %(default)s)")
     p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
