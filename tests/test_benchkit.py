@@ -27,11 +27,12 @@ HELP_COMMANDS = {p.name: [p.name] for p in sorted(SCRIPTS.glob("bench*.py"))} | 
     "bench_kernel.py mesh": ["bench_kernel.py", "mesh"], "bench_kernel.py profile": ["bench_kernel.py", "profile"],
     "bench_kernel.py roofline": ["bench_kernel.py", "roofline"], "bench_kernel.py moe": ["bench_kernel.py", "moe"],
     "bench_kernel.py load": ["bench_kernel.py", "load"],
-    "bench_serve.py --engine": ["bench_serve.py", "--engine"]}
+    "bench_serve.py --engine": ["bench_serve.py", "--engine"],
+    "benchkit/peer_vllm.py": ["benchkit/peer_vllm.py"]}
 # The benchmarks a user runs: a short list on purpose (a one-question experiment becomes an option of one of
 # these, or its conclusion goes into the docs).
 ENTRY_POINTS = {"bench.py", "bench_spec.py", "bench_heads.py", "bench_serve.py", "bench_rollout.py",
-                "bench_outputs.py", "bench_kernel.py", "bench_compile.py", "bench_device.py"}
+                "bench_outputs.py", "bench_kernel.py", "bench_compile.py", "bench_device.py", "bench_peer.py"}
 
 
 # ------------------------------------------------------------------------------------------------ cli
@@ -137,7 +138,7 @@ def test_the_page_names_a_block_for_every_benchmark():
     """docs/benchmarks.md has a block for each kept benchmark, and `make bench` writes the page's blocks."""
     text = page.PAGE.read_text()
     for name in ("plain", "spec", "heads", "serve", "rollout", "outputs-json", "outputs-edits", "kernel-attention",
-                 "kernel-verify-cost", "profile", "compile", "roofline", "device"):
+                 "kernel-verify-cost", "profile", "compile", "roofline", "device", "peer"):
         assert f"<!-- bench:{name} -->" in text and f"<!-- /bench:{name} -->" in text, name
     assert {p.name for p in SCRIPTS.glob("bench*.py")} == ENTRY_POINTS
     assert (REPO / "Makefile").read_text().count("--write-page") >= len(ENTRY_POINTS)
@@ -299,6 +300,26 @@ def test_script_help_runs(helps, name):
     output, returncode = helps[name]
     assert returncode == 0, output
     assert output.startswith("usage:"), output
+
+
+# ------------------------------------------------------------------------------------------------ vLLM peer
+
+def test_peer_batches_trim_and_prompts(monkeypatch):
+    """bench_peer: one row runs each prompt alone, more the first rows together; a final end id is not compared;
+    the chat prompts ask about other held-out tasks than the code prompts complete."""
+    import bench_peer
+
+    prompts = [[i] for i in range(9)]
+    assert bench_peer.batches(prompts, 1) == [[[i]] for i in range(9)]
+    assert bench_peer.batches(prompts, 8) == [prompts[:8]]
+    assert bench_peer.trimmed([5, 6, 2], {0, 2}) == [5, 6]
+    assert bench_peer.trimmed([5, 2, 6], {0, 2}) == [5, 2, 6]
+    assert bench_peer.trimmed([], {2}) == []
+    tasks = workloads.held_out_texts(4)  # code prompts are the tasks' texts; chat prompts are negated here
+    monkeypatch.setattr(workloads, "held_out_prompts", lambda tok, limit: [[tasks.index(t)] for t in tasks[:limit]])
+    monkeypatch.setattr(workloads, "held_out_chat_prompts",
+                        lambda tok, limit: [[-tasks.index(t)] for t in tasks[:limit]])
+    assert bench_peer.prompts_for(SimpleNamespace(tokenizer=None), 2, 2) == [[0], [1], [-2], [-3]]
 
 
 # ------------------------------------------------------------------------------------------------ demo
