@@ -7,6 +7,7 @@
 - workloads: the prompts, one loader per workload (HumanEval free-form and held-out, extractive chat requests);
 - acceptance: mean acceptance length over several calls, from the stats objects' own definition;
 - peer_hf: the Hugging Face transformers peer;
+- peer_vllm: the vLLM peer, a standalone script run in vLLM's own venv (scripts/bench_peer.py drives it);
 - page: docs/benchmarks.md's generated blocks (`--write-page`), and the reports' JSON in bench_out/;
 - trace: a jax.profiler trace summed by event (benchkit/profile.py);
 - verify_cost, mesh: `bench_kernel.py verify-cost` and `bench_kernel.py mesh`.
