@@ -168,7 +168,9 @@ def main(argv=None) -> int:
              f"eight at once; median of {args.repeats} rounds taking turns, after a warm-up round; vLLM started in "
              + ", ".join(f"{p.start_s:.0f} s ({name[5:]})" for name, p in peers.items()))
     print(f"# jaxspec beside vLLM: {machine.line(info)}\n# {title}", flush=True)
-    report = []
+    columns = ["rows", "runner", "tokens/s", "x vLLM none", "outputs = vLLM none's", "first call s"]
+    print(tables.head(columns), flush=True)
+    report, table = [], []
     try:
         for rows in args.rows:
             work = batches(prompts, rows)
@@ -195,16 +197,16 @@ def main(argv=None) -> int:
                                "seconds": statistics.median(seconds[name]), "all_seconds": seconds[name],
                                "first_call_s": first_call[(name, rows)], "same_as_vllm": same,
                                "prompts": len(reference)})
+            plain = report[-len(runners)]  # vLLM none, the first runner
+            for r in report[-len(runners):]:
+                table.append([rows, r["runner"], f"{r['tokens'] / r['seconds']:.1f}",
+                              f"{r['tokens'] / r['seconds'] / (plain['tokens'] / plain['seconds']):.2f}x",
+                              f"{r['same_as_vllm']}/{r['prompts']}", f"{r['first_call_s']:.1f}"])
+                print(tables.row(table[-1]), flush=True)
     finally:
         for peer in peers.values():
             peer.close()
-    columns = ["rows", "runner", "tokens/s", "x vLLM none", "outputs = vLLM none's", "first call s"]
-    plain = {r["rows"]: r["tokens"] / r["seconds"] for r in report if r["runner"] == "vLLM none"}
-    table = [[r["rows"], r["runner"], f"{r['tokens'] / r['seconds']:.1f}",
-              f"{r['tokens'] / r['seconds'] / plain[r['rows']]:.2f}x", f"{r['same_as_vllm']}/{r['prompts']}",
-              f"{r['first_call_s']:.1f}"] for r in report]
     text = f"{title}\n\n" + tables.markdown(columns, table)
-    print(text)
     if args.write_page:
         page.write(args.write_page, text, info, {"vllm_start_s": {n: p.start_s for n, p in peers.items()},
                                                  "rows": report})
