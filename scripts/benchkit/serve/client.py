@@ -75,6 +75,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, result: Re
                     return result
                 for choice in event.get("choices") or []:
                     if choice.get("text"):
+                        result.text += choice["text"]
                         result.content_chunks += 1
                         if result.ttft is None:
                             result.ttft = now

@@ -46,20 +46,63 @@ def target_checks(ratios: list[dict], high_concurrency: int, tolerance: float) -
     return lines
 
 
-def markdown_report(machine_info: dict, levels: list[LevelResult], ratios: list[dict], checks: list[str]) -> str:
+def peer_checks(levels: list[LevelResult], reference: str, ours: list[str], concurrencies: list[int]) -> list[str]:
+    """Each of our modes against the reference server at each concurrency: throughput at least the reference's,
+    p99 time to first token at most the reference's."""
+    by_key = {(lv.mode, lv.concurrency): lv for lv in levels if lv.ok_requests}
+    lines = []
+    for c in concurrencies:
+        ref = by_key.get((reference, c))
+        for mode in ours:
+            lv = by_key.get((mode, c))
+            if ref is None or lv is None or not ref.throughput_tok_s:
+                continue
+            x = lv.throughput_tok_s / ref.throughput_tok_s
+            ttft_ok = lv.ttft_p99_ms is not None and ref.ttft_p99_ms is not None and lv.ttft_p99_ms <= ref.ttft_p99_ms
+            lines.append(f"c={c}, {mode}: throughput {x:.2f}x {reference}'s >= 1: {'met' if x >= 1 else 'NOT met'}; "
+                         f"TTFT p99 {fmt(lv.ttft_p99_ms, '.0f')} ms <= {reference}'s {fmt(ref.ttft_p99_ms, '.0f')} ms: "
+                         f"{'met' if ttft_ok else 'NOT met'}")
+    return lines
+
+
+def same_text(level: LevelResult, reference: LevelResult) -> tuple[int, int]:
+    """How many of level's completed requests streamed the same text as the reference's first completed request of
+    their prompt, out of those that have one to compare with. At temperature 0 a lossless server's are all equal."""
+    texts = {}
+    for r in reference.requests:
+        if r.ok:
+            texts.setdefault(r.prompt_index, r.text)
+    compared = [r.text == texts[r.prompt_index] for r in level.requests if r.ok and r.prompt_index in texts]
+    return sum(compared), len(compared)
+
+
+def markdown_report(machine_info: dict, levels: list[LevelResult], ratios: list[dict], checks: list[str],
+                    reference: str | None = None) -> str:
+    """The table of every (mode, concurrency); with `reference` (a peer's label) two more columns: throughput as a
+    multiple of the reference's at that concurrency, and how many completions are the reference's text."""
     tp = throughput_of(levels)
-    out = [f"# jaxspec server under load, {machine.line(machine_info)}", "",
-           head(["mode", "concurrency", "requests", "errors", "completion tokens", "wall s", "tokens/s", "x off",
-                 "requests/s", "TTFT p50 ms", "TTFT p99 ms", "per-token p50 ms", "per-token p99 ms",
-                 "mean acceptance length", "mean active rows"])]
+    by_key = {(lv.mode, lv.concurrency): lv for lv in levels}
+    title = "jaxspec server under load" if reference is None else f"jaxspec's server beside {reference} under load"
+    columns = ["mode", "concurrency", "requests", "errors", "completion tokens", "wall s", "tokens/s", "x off"]
+    if reference is not None:
+        columns += [f"x {reference}", f"same text as {reference}"]
+    out = [f"# {title}, {machine.line(machine_info)}", "",
+           head(columns + ["requests/s", "TTFT p50 ms", "TTFT p99 ms", "per-token p50 ms", "per-token p99 ms",
+                           "mean acceptance length", "mean active rows"])]
     for lv in levels:
         off = tp.get(("off", lv.concurrency))
         x_off = lv.throughput_tok_s / off if off and lv.ok_requests else None
-        out.append(row([lv.mode, lv.concurrency, lv.num_requests, lv.errors, lv.completion_tokens, f"{lv.wall_s:.1f}",
-                        f"{lv.throughput_tok_s:.1f}", fmt(x_off, ".2f"), f"{lv.requests_per_s:.2f}",
-                        fmt(lv.ttft_p50_ms, ".0f"), fmt(lv.ttft_p99_ms, ".0f"), fmt(lv.tpot_p50_ms, ".1f"),
-                        fmt(lv.tpot_p99_ms, ".1f"), fmt(lv.mean_acceptance_length, ".2f"),
-                        fmt(lv.mean_active_rows, ".1f")]))
+        cells = [lv.mode, lv.concurrency, lv.num_requests, lv.errors, lv.completion_tokens, f"{lv.wall_s:.1f}",
+                 f"{lv.throughput_tok_s:.1f}", fmt(x_off, ".2f")]
+        if reference is not None:
+            ref = by_key.get((reference, lv.concurrency))
+            x_ref = lv.throughput_tok_s / tp[(reference, lv.concurrency)] if (
+                ref is not None and lv.ok_requests and tp.get((reference, lv.concurrency))) else None
+            same, compared = same_text(lv, ref) if ref is not None else (0, 0)
+            cells += [fmt(x_ref, ".2f"), f"{same}/{compared}" if compared else fmt(None)]
+        out.append(row(cells + [f"{lv.requests_per_s:.2f}", fmt(lv.ttft_p50_ms, ".0f"), fmt(lv.ttft_p99_ms, ".0f"),
+                                fmt(lv.tpot_p50_ms, ".1f"), fmt(lv.tpot_p99_ms, ".1f"),
+                                fmt(lv.mean_acceptance_length, ".2f"), fmt(lv.mean_active_rows, ".1f")]))
     # With fixed beside adaptive: their ratios to each other (the table's "x off" column has the rest).
     if any(r["fixed/off"] is not None for r in ratios):
         out += ["", "Throughput ratios (same run, same prompts):", "",

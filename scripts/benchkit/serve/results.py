@@ -27,6 +27,7 @@ class RequestResult:
     content_chunks: int = 0
     chunk_gaps: list[float] = dataclasses.field(default_factory=list)  # between successive content chunks
     finish_reason: str | None = None
+    text: str = ""  # the completion, streamed chunks joined
 
     @property
     def per_token_latency(self) -> float | None:

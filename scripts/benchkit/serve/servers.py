@@ -1,4 +1,5 @@
-"""The servers under test: started here one per mode (scripts/serve.py on a free port), or one given by URL."""
+"""The servers under test: started here one per mode (scripts/serve.py, or a peer, on a free port), or one given
+by URL."""
 
 from __future__ import annotations
 
@@ -55,15 +56,20 @@ def server_command(mode: str, port: int, args: argparse.Namespace) -> list[str]:
 
 
 def start_server(mode: str, args: argparse.Namespace) -> Target:
+    """scripts/serve.py with the speculation policy `mode`, on a free port."""
     port = free_port(args.host)
-    cmd = server_command(mode, port, args)
-    log_path = Path(args.out_dir) / f"serve_{mode}.log"
+    return launch(mode, server_command(mode, port, args), f"http://{args.host}:{port}",
+                  Path(args.out_dir) / f"serve_{mode}.log")
+
+
+def launch(label: str, cmd: list[str], base_url: str, log_path: Path, env: dict | None = None) -> Target:
+    """Start a server process (any OpenAI-compatible one) with its output in log_path."""
     log = open(log_path, "w")
-    print(f"[{mode}] starting: {' '.join(cmd)}  (log: {log_path})", flush=True)
+    print(f"[{label}] starting: {' '.join(cmd)}  (log: {log_path})", flush=True)
     # Its own session: a Ctrl-C here does not reach it, stop_server() shuts it down in order.
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     log.close()
-    return Target(label=mode, base_url=f"http://{args.host}:{port}", proc=proc, log_path=log_path, command=cmd,
+    return Target(label=label, base_url=base_url, proc=proc, log_path=log_path, command=cmd,
                   started_at=time.perf_counter())
 
 

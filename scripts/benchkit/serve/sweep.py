@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import httpx
 
@@ -75,10 +77,11 @@ async def run_level(client: httpx.AsyncClient, target: Target, prompts: list[str
     return level
 
 
-async def benchmark(args: argparse.Namespace, prompts: list[str], warmup: list[int]
-                    ) -> tuple[list[Target], list[LevelResult]]:
-    """Every mode at every level: against --url, or servers started here, one at a time or (--interleave) all
-    at once taking turns. Every server started here is stopped on the way out, whatever happened."""
+async def benchmark(args: argparse.Namespace, prompts: list[str], warmup: list[int],
+                    starters: list[Callable[[], Target]] | None = None) -> tuple[list[Target], list[LevelResult]]:
+    """Every server at every level: --url, or servers started here (by `starters`, default one per --modes mode),
+    one at a time or (--interleave) all at once taking turns. Every server started here is stopped on the way out,
+    whatever happened."""
     limits = httpx.Limits(max_connections=max(args.concurrency) + 8,
                           max_keepalive_connections=max(args.concurrency) + 8)
     timeout = httpx.Timeout(connect=60.0, read=args.request_timeout, write=60.0, pool=None)
@@ -92,17 +95,19 @@ async def benchmark(args: argparse.Namespace, prompts: list[str], warmup: list[i
                     levels.append(await run_level(client, targets[0], prompts, c, args))
             return targets, levels
 
+        if starters is None:
+            starters = [functools.partial(start_server, mode, args) for mode in args.modes]
         try:
-            if args.interleave:  # every server up at once; the modes take turns at each level
-                for mode in args.modes:
-                    targets.append(start_server(mode, args))
+            if args.interleave:  # every server up at once; they take turns at each level
+                for start in starters:
+                    targets.append(start())
                 ready = [t for t in targets if await prepare(client, t, prompts, warmup, args)]
                 for c in args.concurrency:
                     for target in ready:
                         levels.append(await run_level(client, target, prompts, c, args))
             else:  # one server at a time
-                for mode in args.modes:
-                    target = start_server(mode, args)
+                for start in starters:
+                    target = start()
                     targets.append(target)
                     try:
                         if await prepare(client, target, prompts, warmup, args):
