@@ -214,6 +214,9 @@ def test_greedy_mixed_methods_and_budgets_equal_offline(tiny_lm, request, engine
     if engine_name == "off_engine":
         assert drafted == 0
         assert not engine.metrics.speculating
+        assert engine.runner.widths == (1,)  # no row ever drafts: one target forward per chunk program
+    else:
+        assert engine.runner.widths == CONFIG.verify_widths
     # The gauges are updated on the engine thread right after the final callbacks.
     assert wait_until(lambda: engine.num_active == 0 and engine.metrics.requests_running == 0
                       and engine.metrics.requests_waiting == 0)

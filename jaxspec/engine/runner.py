@@ -142,12 +142,13 @@ def _requests(count: int, length: int) -> list[Request]:
 class Runner:
     """The engine's batch on the device and the programs over it; only the engine's loop thread calls it."""
 
-    def __init__(self, lm: LanguageModel, config: EngineConfig, metrics: EngineMetrics):
+    def __init__(self, lm: LanguageModel, config: EngineConfig, metrics: EngineMetrics, speculates: bool = True):
         self.lm = lm  # the target model
         self.config = config  # the engine's settings
         self.metrics = metrics  # the engine's totals, which `run_chunk` adds to
         self.k = config.num_speculative_tokens  # K, the most drafts per row and step
-        self.widths = config.verify_widths  # the target-forward widths compiled in
+        # The target-forward widths compiled in: width 1 alone when no row will ever draft (`speculates` False).
+        self.widths = config.verify_widths if speculates else (1,)
         self.attention_impl = config.attention_impl or default_attention_impl()  # "xla" or "pallas"
         # Rows of method "none" draft nothing (their budget is 0); the others pick a member proposer.
         self._drafting = tuple(m for m in config.methods if m != "none")

@@ -24,7 +24,7 @@ from .. import sharding
 from ..limits import eos_ids
 from ..logprobs import TokenLogprob
 from ..models.loading import LanguageModel
-from ..policy import AdaptivePolicy, ChunkReport, SpeculationPolicy
+from ..policy import AdaptivePolicy, ChunkReport, OffPolicy, SpeculationPolicy
 from .config import EngineConfig
 from .request import (
     EngineStopped,
@@ -71,7 +71,9 @@ class Engine:
         # Running totals, read by the server's /metrics.
         self.metrics = EngineMetrics(drafted_per_position=np.zeros(k, np.int64),
                                      accepted_per_position=np.zeros(k, np.int64))
-        self.runner = Runner(lm, config, self.metrics)  # the device side; the loop thread's alone once started
+        # The device side; the loop thread's alone once started. Under the off policy no row ever drafts, so the
+        # runner compiles its chunks at verify width 1 alone (one target forward per program, not one per width).
+        self.runner = Runner(lm, config, self.metrics, speculates=not isinstance(self.policy, OffPolicy))
         self.ready = threading.Event()  # set once the loop serves (or failed to start)
         self.failed: BaseException | None = None  # what stopped the loop, if anything did
 
