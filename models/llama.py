@@ -170,7 +170,7 @@ class Attention(nnx.Module):
         elif visible is not None:  # the caller's own mask over the whole cache (the EAGLE head's trees)
             out = _xla_attention(q, k_layer, v_layer, visible, cfg)
         else:
-            out = _bucketed_attention(q, k_layer, v_layer, lengths, tree_mask, cfg, cached_slots, window)
+            out = _attention_in_cache(q, k_layer, v_layer, lengths, tree_mask, cfg, cached_slots, window)
         return linear(out.reshape(B, T, H * hd), self.o[...], self.matmul), k_cache, v_cache
 
 
@@ -195,61 +195,121 @@ def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
 def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, cfg: ModelConfig, window=None):
     """q [B,T,H,hd] against the committed slots of an unwritten cache [B,Hkv,S,hd] (those below lengths i32[B])
     and the T new tokens' own k_new, v_new [B,Hkv,T,hd] (causal among themselves, or as `tree_mask` bool[B,T,T]
-    says) -> [B,T,H,hd]: one softmax over both score blocks, the cache only read. `window`: None, or
-    (positions i32[B,T], W) to hide keys W or more positions behind each query.
+    says) -> [B,T,H,hd]: one softmax over both, the cache only read. `window`: None, or (positions i32[B,T], W) to
+    hide keys W or more positions behind each query.
 
-    The same attention as writing the new K/V at slots lengths.. and reading the cache (`_bucketed_attention`),
-    up to float summation order. The cache part reads the smallest of `read_buckets(S)` holding every row.
+    The same attention as writing the new K/V at slots lengths.. and reading the cache (`_attention_in_cache`),
+    up to float summation order. The cache is read block by block (`_cache_blocks`), up to the longest row.
     """
     B, T, H, hd = q.shape
     Hkv, G = cfg.num_kv_heads, cfg.q_per_kv
-    S = k_cache.shape[2]
 
     positions, W = (None, None) if window is None else window
 
-    def attend_rows(slots: int, q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, positions):  # any b rows
-        B = q.shape[0]
-        q = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)  # as in _xla_attention
+    def attend_rows(q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, positions):  # any b of the B rows
+        b = q.shape[0]
+        q = _query_blocks(q, Hkv, G)
+
+        def visible(slots):  # bool[b, 1 or T, block]: committed slots, within the window where there is one
+            committed = (slots[None, :] < lengths[:, None])[:, None]
+            return committed if positions is None else committed & _in_window(positions, slots[None, :], W)
+
+        parts = _cache_blocks(q, k_cache, v_cache, jnp.max(lengths), visible, cfg)
         among_new = jnp.tril(jnp.ones((1, T, T), bool)) if tree_mask is None else tree_mask  # bool[b or 1, T, T]
         if positions is not None:  # keys within the window of each query's position
             among_new = among_new & _in_window(positions, positions, W)  # bool[b, T, T]
-        new_scores = _attention_logits(jnp.einsum("bkmd,bktd->bkmt", q, k_new, preferred_element_type=jnp.float32),
-                                       cfg)
-        new_scores = jnp.where(among_new[:, None, None], new_scores.reshape(B, Hkv, G, T, T), _MASKED)
-        k_old, v_old = k_cache[:, :, :slots], v_cache[:, :, :slots]
-        scores = _attention_logits(jnp.einsum("bkmd,bksd->bkms", q, k_old, preferred_element_type=jnp.float32), cfg)
-        committed = (jnp.arange(slots)[None, :] < lengths[:, None])[:, None, None, None]  # bool[b, 1, 1, 1, slots]
-        if positions is not None:
-            near = _in_window(positions, jnp.arange(slots)[None, :], W)  # bool[b, T, slots]
-            committed = committed & near[:, None, None]  # bool[b, 1, 1, T, slots]
-        scores = jnp.where(committed, scores.reshape(B, Hkv, G, T, slots), _MASKED)
-        probs = jax.nn.softmax(jnp.concatenate([scores, new_scores], axis=-1), axis=-1).astype(v_old.dtype)
-        probs = probs.reshape(B, Hkv, G * T, slots + T)
-        out = (jnp.einsum("bkms,bksd->bkmd", probs[..., :slots], v_old)
-               + jnp.einsum("bkmt,bktd->bkmd", probs[..., slots:], v_new.astype(v_old.dtype)))
-        return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+        scores = _attention_logits(jnp.einsum("bkmd,bktd->bkmt", q, k_new, preferred_element_type=jnp.float32), cfg)
+        scores = jnp.where(among_new[:, None, None], scores.reshape(b, Hkv, G, T, T), _MASKED).reshape(scores.shape)
+        out = _softmax_merge(parts, scores, v_new.astype(v_cache.dtype)).astype(v_cache.dtype)
+        return _heads_back(out, T)
 
-    def attend(slots: int):
-        return _by_row_groups(functools.partial(attend_rows, slots), _kv_row_bytes(k_cache, slots),
-                              q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, positions)
-
-    return _in_read_bucket(attend, S, jnp.max(lengths))  # the committed slots only: the new K/V sit beside them
+    return _by_row_groups(attend_rows, _kv_row_bytes(k_cache, _read_block(k_cache.shape[2])),
+                          q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, positions)
 
 
-def _in_read_bucket(attend, max_len: int, needed: jax.Array):
-    """`attend(slots)` for the smallest of `read_buckets(max_len)` holding `needed` i32[] slots (a lax.switch)."""
-    sizes = read_buckets(max_len)
-    if len(sizes) == 1:
-        return attend(max_len)
-    which = jnp.sum(jnp.asarray(sizes[:-1]) < needed)
-    return jax.lax.switch(which, [functools.partial(attend, n) for n in sizes])
+def _query_blocks(q: jax.Array, Hkv: int, G: int) -> jax.Array:
+    """q [B,T,H,hd] -> [B,Hkv,G*T,hd]: the G query heads of a KV head and the T new tokens form one row block per
+    (row, KV head), so each score is a plain batched [G*T, hd] x [hd, S] matmul (`_xla_attention`)."""
+    B, T, _, hd = q.shape
+    return q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)
+
+
+def _heads_back(out: jax.Array, T: int) -> jax.Array:
+    """The inverse of `_query_blocks`: [B,Hkv,G*T,hd] -> [B,T,H,hd]."""
+    B, Hkv, M, hd = out.shape
+    G = M // T
+    return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, hd)
+
+
+# The cache is read in blocks of this many slots, as many as the longest row needs: a step's attention then costs
+# what its rows hold rather than what the cache could hold, at one compiled loop body per layer. Slicing a long
+# prefix of the cache copies it on a CPU (docs/cpu-performance.md), and a small block's slice stays in cache.
+_READ_BLOCK = 128
+# A cache of at most this many slots is read whole, without the loop: the slots it would skip cost less than a
+# loop costs to compile and run.
+_WHOLE_READ_SLOTS = 256
+
+
+def _read_block(max_len: int) -> int:
+    """Slots per cache block: `_READ_BLOCK`, or the whole cache when it is smaller."""
+    return min(_READ_BLOCK, max_len)
+
+
+def _cache_blocks(q, k_cache, v_cache, needed: jax.Array, visible, cfg: ModelConfig):
+    """The softmax parts of q [B,Hkv,M,hd] (M = G*T) against cache slots [0, needed) of k_cache, v_cache
+    [B,Hkv,S,hd], read a block at a time in a loop (flash-decoding's split of the keys): `visible(slots
+    i32[block])` -> bool[B, 1 or T, block] masks each block's scores. Returns (m, z, acc): the running max of the
+    scores and the sum of their exponentials f32[B,Hkv,M,1], and the exponentials' weighted sum of values
+    f32[B,Hkv,M,hd]; `_softmax_merge` adds more scores to them, acc / z is the attention.
+
+    A masked score counts as `_MASKED`, as in a single softmax: while every score seen is masked, the parts hold
+    junk that the first visible score's rescaling (by exp(_MASKED - max) = 0) wipes out. Every query sees at
+    least its own key, so the result never rests on junk."""
+    B, Hkv, M, hd = q.shape
+    S = k_cache.shape[2]
+    block = _read_block(S)
+    G = cfg.q_per_kv
+
+    def add_block(parts, k, v, seen):  # k, v [B,Hkv,n,hd]; seen bool[B, 1 or T, n]
+        n = k.shape[2]
+        scores = _attention_logits(jnp.einsum("bkmd,bksd->bkms", q, k, preferred_element_type=jnp.float32), cfg)
+        scores = jnp.where(seen[:, None, None], scores.reshape(B, Hkv, G, M // G, n), _MASKED)
+        return _softmax_merge(parts, scores.reshape(B, Hkv, M, n), v, done=False)
+
+    empty = (jnp.full((B, Hkv, M, 1), _MASKED, jnp.float32), jnp.zeros((B, Hkv, M, 1), jnp.float32),
+             jnp.zeros((B, Hkv, M, hd), jnp.float32))
+    if S <= _WHOLE_READ_SLOTS:  # one block of the whole cache: no loop to compile
+        return add_block(empty, k_cache, v_cache, visible(jnp.arange(S)))
+
+    def step(i, parts):
+        first = jnp.minimum(i * block, S - block)  # the last block of a cache of S % block != 0 overlaps ...
+        slots = first + jnp.arange(block)
+        seen = visible(slots) & (slots >= i * block)[None, None]  # ... the one before it, whose slots it skips
+        k = jax.lax.dynamic_slice_in_dim(k_cache, first, block, axis=2)
+        v = jax.lax.dynamic_slice_in_dim(v_cache, first, block, axis=2)
+        return add_block(parts, k, v, seen)
+
+    return jax.lax.fori_loop(0, (needed + block - 1) // block, step, empty)
+
+
+def _softmax_merge(parts, scores, values, done: bool = True):
+    """Softmax parts (m, z, acc) (`_cache_blocks`) with one more block of scores f32[B,Hkv,M,n] over values
+    [B,Hkv,n,hd]: the merged parts, or (done) the attention output f32[B,Hkv,M,hd]."""
+    m, z, acc = parts
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+    p = jnp.exp(scores - m_new)
+    rescale = jnp.exp(m - m_new)
+    z = z * rescale + jnp.sum(p, axis=-1, keepdims=True)
+    acc = acc * rescale + jnp.einsum("bkmn,bknd->bkmd", p.astype(values.dtype), values,
+                                     preferred_element_type=jnp.float32)
+    return acc / z if done else (m_new, z, acc)
 
 
 # On a CPU, XLA's attention over many rows slows several-fold once the K/V a step reads outgrows the caches: the
 # scores' dot (q against K, a YNNPACK fusion) then runs far below memory speed: a one-token forward of 128 rows
 # reading 512 slots costs about three times as much as with its rows in groups (docs/cpu-performance.md,
 # "Attention in row groups"). So the rows attend in groups whose K and V reads stay within this many bytes, one
-# group after another (small enough, presumably, for each group's prefix copy and dots to stay in cache); rows are
+# group after another (small enough, presumably, for each group's block copies and dots to stay in cache); rows are
 # independent in attention, so the result is the same.
 _ROW_GROUP_BYTES = 4 << 20
 
@@ -282,45 +342,42 @@ def _by_row_groups(attend_rows, row_bytes: int, *rows):
     return out.reshape(B, *out.shape[2:])
 
 
-_MIN_READ_SLOTS = 256  # the smallest cache prefix a decode step reads; larger ones double from here
-
-
-def read_buckets(max_len: int) -> tuple[int, ...]:
-    """Cache prefixes (slots) a forward may read: 256, 512, ... up to the whole cache of `max_len` slots."""
-    sizes, size = [], _MIN_READ_SLOTS
-    while size < max_len:
-        sizes.append(size)
-        size *= 2
-    return tuple(sizes) + (max_len,)
-
-
-def _bucketed_attention(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfig, cached_slots: int | None,
+def _attention_in_cache(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfig, cached_slots: int | None,
                         window=None):
     """q [B,T,H,hd] against the committed prefix and the T new tokens (already written at slots lengths i32[B]
     onwards; causal among themselves, or as `tree_mask` bool[B,T,T] says) -> [B,T,H,hd]. `window`: None, or
     (positions i32[B,T], W) as in `visibility_mask`.
 
-    Only a prefix of the cache [B,Hkv,S,hd] is read: `cached_slots` + T slots when the caller bounds every
-    row's length statically (0 for a prefill), else the smallest of `read_buckets(S)` that holds the longest
-    row and its new tokens. A step's attention then costs what the rows hold, not what the cache could hold;
-    reading a static slice of the updated buffer also leaves XLA free to update the cache in place.
+    Only the slots the rows use are read: the first `cached_slots` + T when the caller bounds every row's length
+    statically (0 for a prefill), else the cache's blocks up to the longest row and its new tokens
+    (`_cache_blocks`). A step's attention then costs what the rows hold, not what the cache could hold; reading
+    the updated buffer in place also leaves XLA free to update the cache in place.
     """
     T = q.shape[1]
     S = k_cache.shape[2]
+    Hkv, G = cfg.num_kv_heads, cfg.q_per_kv
 
     positions, W = (None, None) if window is None else window
 
-    def attend_rows(slots: int, q, k_cache, v_cache, lengths, tree_mask, positions):  # any b of the B rows
-        visible = visibility_mask(lengths, T, slots, tree_mask, positions, W)  # bool[b, T, slots]
-        return _xla_attention(q, k_cache[:, :, :slots], v_cache[:, :, :slots], visible, cfg)
-
-    def attend(slots: int):
-        return _by_row_groups(functools.partial(attend_rows, slots), _kv_row_bytes(k_cache, slots),
-                              q, k_cache, v_cache, lengths, tree_mask, positions)
-
     if cached_slots is not None:
-        return attend(min(S, cached_slots + T))
-    return _in_read_bucket(attend, S, jnp.max(lengths) + T)  # every row and its new tokens
+        slots = min(S, cached_slots + T)
+
+        def attend_prefix(q, k_cache, v_cache, lengths, tree_mask, positions):  # any b of the B rows
+            visible = visibility_mask(lengths, T, slots, tree_mask, positions, W)  # bool[b, T, slots]
+            return _xla_attention(q, k_cache[:, :, :slots], v_cache[:, :, :slots], visible, cfg)
+
+        return _by_row_groups(attend_prefix, _kv_row_bytes(k_cache, slots), q, k_cache, v_cache, lengths,
+                              tree_mask, positions)
+
+    def attend_rows(q, k_cache, v_cache, lengths, tree_mask, positions):  # any b of the B rows
+        def visible(slots):  # bool[b, T, block]
+            return visibility_mask(lengths, T, slots, tree_mask, positions, W)
+
+        _, z, acc = _cache_blocks(_query_blocks(q, Hkv, G), k_cache, v_cache, jnp.max(lengths) + T, visible, cfg)
+        return _heads_back((acc / z).astype(v_cache.dtype), T)
+
+    return _by_row_groups(attend_rows, _kv_row_bytes(k_cache, _read_block(S)), q, k_cache, v_cache, lengths,
+                          tree_mask, positions)
 
 
 # The gate activations of ACTIVATIONS: SwiGLU's, and GeGLU's tanh approximation (Gemma; transformers'
@@ -440,28 +497,30 @@ class DecoderLayer(nnx.Module):
         return x, k_cache, v_cache
 
 
-def visibility_mask(lengths: jax.Array, num_new: int, max_len: int, tree_mask: jax.Array | None = None,
+def visibility_mask(lengths: jax.Array, num_new: int, slots: int | jax.Array, tree_mask: jax.Array | None = None,
                     positions: jax.Array | None = None, window: int | None = None) -> jax.Array:
-    """bool[B, T, S]: may new token t of row b attend cache slot s?
+    """bool[B, T, S]: may new token t of row b attend cache slot s? `slots`: the first S slots (an int S), or the
+    slot indices i32[S] asked about.
 
     Slots below lengths[b] are the committed prefix (always visible); the T new tokens occupy slots
     lengths[b] .. lengths[b]+T-1 and see each other causally, or as `tree_mask` bool[B, T, T] says. With a sliding
     `window` and the new tokens' `positions` i32[B, T], a key is visible only when it is fewer than `window`
     positions behind the query (a committed slot s holds position s, new token j position positions[b, j]).
     """
-    rel = jnp.arange(max_len)[None, :] - lengths[:, None]  # [B, S]: slot index among the new tokens
+    slots = jnp.arange(slots) if isinstance(slots, int) else slots
+    rel = slots[None, :] - lengths[:, None]  # [B, S]: slot index among the new tokens
     prefix = (rel < 0)[:, None, :]
     is_new = ((rel >= 0) & (rel < num_new))[:, None, :]
     if tree_mask is None:
         among_new = rel[:, None, :] <= jnp.arange(num_new)[None, :, None]
     else:
-        idx = jnp.broadcast_to(jnp.clip(rel, 0, num_new - 1)[:, None, :], (lengths.shape[0], num_new, max_len))
+        idx = jnp.broadcast_to(jnp.clip(rel, 0, num_new - 1)[:, None, :], (lengths.shape[0], num_new, slots.shape[0]))
         among_new = jnp.take_along_axis(tree_mask, idx, axis=2)
     visible = prefix | (is_new & among_new)
     if window is None:
         return visible
     new_at = jnp.take_along_axis(positions, jnp.clip(rel, 0, num_new - 1), axis=1)  # [B, S]
-    key_position = jnp.where(rel < 0, jnp.arange(max_len)[None, :], new_at)  # [B, S]
+    key_position = jnp.where(rel < 0, slots[None, :], new_at)  # [B, S]
     return visible & _in_window(positions, key_position, window)
 
 
@@ -538,7 +597,7 @@ class Llama(nnx.Module):
         """Returns the output and the cache with the new K/V written; `cache.lengths` is not advanced.
 
         `cached_slots=0` tells a prefill that the cache holds nothing yet: attention reads only the new tokens'
-        slots. With None, each forward reads the smallest power-of-two prefix of the cache holding every row.
+        slots. With None, each forward reads the cache's blocks up to its longest row (`_cache_blocks`).
 
         `write_cache=False` (with attention_impl "xla") writes nothing: attention reads the committed slots and
         the new tokens' K/V beside them, and the second value is a cache of T slots holding just those K/V
@@ -577,7 +636,7 @@ class Llama(nnx.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = tables[cfg.layer_rope(i)]
             window = None if cfg.layer_window(i) is None else (positions, cfg.layer_window(i))
-            # visible=None: the target's mask is built per cache bucket (`_bucketed_attention`).
+            # visible=None: the target's mask is built per cache block (`_attention_in_cache`).
             x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], lengths, None, attention_impl, tree_mask,
                                     cached_slots, write_cache, window=window)
             if i in return_layers:
