@@ -27,13 +27,13 @@ One job per module:
 - `jaxspec.engine.slots`: pure functions on a batched `DecodeState` (insert a row, regroup, empty rows,
   per-row settings as batch arrays), usable without the engine;
 - `jaxspec.engine.runner`: the device side, prefill, chunks, readback, warm-up, `EngineMetrics`;
-- `jaxspec.engine.scheduler`: the `Engine`, its queue, admission, cancellation, shutdown and loop thread.
+- `jaxspec.engine.engine`: the `Engine`, its queue, admission, cancellation, shutdown and loop thread.
 """
 
 from .config import SHARED_BATCH_METHODS, EngineConfig
+from .engine import Engine
 from .request import EngineStopped, Handle, InvalidRequest, Output, QueueFull, Request, RequestStats
 from .runner import EngineMetrics
-from .scheduler import Engine
 
 __all__ = ["SHARED_BATCH_METHODS", "Engine", "EngineConfig", "EngineMetrics", "EngineStopped", "Handle",
            "InvalidRequest", "Output", "QueueFull", "Request", "RequestStats"]
