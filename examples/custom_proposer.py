@@ -9,7 +9,8 @@ followed a most recently in this row (prompt and generated text so far), or, whe
 yet, the token that follows a most often in a corpus (other HumanEval prompts). It shows the whole
 `Proposer` contract (jaxspec/proposers/base.py):
 
-- the object is a frozen dataclass holding static settings only (K, whether to use the row's history);
+- the object inherits `Proposer` and is a frozen dataclass holding static settings only (K, whether to use
+  the row's history);
 - its arrays are `proposer_params`: here the corpus table i32[V], passed to the jitted loop as an argument;
 - its per-row state is a pytree: the position of each token's latest occurrence, i32[B, V], built by
   `init` from the prompt and extended by `update` with the tokens each step committed;
@@ -26,18 +27,17 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
-from jaxspec.proposers import Committed, Context, Draft
+from jaxspec.proposers import Committed, Context, Draft, Proposer
 
 
 @dataclasses.dataclass(frozen=True)
-class BigramProposer:
+class BigramProposer(Proposer):
     """Chains of bigram continuations: the row's latest one for each token, else the corpus's most frequent.
 
     params: i32[V] the corpus table, table[a] = the most frequent token after a (-1: a never seen).
@@ -48,10 +48,9 @@ class BigramProposer:
     num_speculative_tokens: int  # K: the longest chain per step
     use_history: bool = True  # False: the corpus table alone (the row's own text is ignored)
 
-    # Static attributes the decode loop reads. This proposer needs no hidden states of the target, and a chain
-    # of K tokens is K deep (a tree proposer would give its tree's depth).
-    needs_features: ClassVar[bool] = False
-
+    # What the decode loop reads besides K: the deepest run one step can accept. A chain of K tokens is K deep
+    # (a tree proposer gives its tree's depth; `ChainProposer` declares this for chains). The other declarations
+    # keep `Proposer`'s defaults: no hidden states of the target (`needs_features`), no corpus, no ranked tree.
     @property
     def max_depth(self) -> int:
         return self.num_speculative_tokens

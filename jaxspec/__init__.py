@@ -9,9 +9,8 @@ of completions per prompt for RL (`jaxspec.rollouts`).
 
 from .cache import KVCache
 from .compilation_cache import enable_compilation_cache
-from .config import SamplingParams, SpecConfig
 from .constraints import Choice, JsonSchema, Regex
-from .decode import DecodeState, RowLimits, decode, decode_chunk, prefill, spec_step
+from .decode import decode, decode_chunk, prefill, spec_step
 from .generation import GenerateResult, GenerateStats, Prepared, RowStats, generate, prepare
 from .logprobs import TokenLogprob
 from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_model
@@ -19,7 +18,10 @@ from .proposers import StaticSuffixAutomaton
 from .rejection import rejection_sample
 from .rollouts import RolloutResult, RolloutStats, rollout, sample_seeds
 from .sampling import process_logits, processed_probs, sample
+from .sampling_params import SamplingParams
 from .score import ScoreResult, score, score_arrays
+from .spec_config import SpecConfig
+from .state import DecodeState, RowLimits
 from .target import TargetModel, check_target
 from .tree import TreeTopology, verify_tree
 

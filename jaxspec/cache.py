@@ -103,3 +103,10 @@ def write_new(buffer: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Ar
         return jax.lax.dynamic_update_slice(buf, window.reshape(window_shape), (*lead, 0, at, 0))
 
     return jax.vmap(one_row)(buffer, new.astype(buffer.dtype), start)
+
+
+def kv_bytes_per_slot(module) -> int:
+    """Bytes one row's KV cache takes per slot, read from the target module's own `new_cache` (the model
+    contract: any layout, heads and dtype) by shape alone, nothing allocated."""
+    cache = jax.eval_shape(lambda: module.new_cache(1, 1))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))

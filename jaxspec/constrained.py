@@ -196,14 +196,11 @@ def rows_for(lm, constraint, batch: int) -> ConstraintRows | None:
     return ConstraintRows(state=initial, automaton=BatchShared(aut))
 
 
-def wrap(proposer: Proposer, spec, k_forced: int) -> Proposer:
-    """The row proposer with forced tokens drafted (`ForcedTokenProposer`, K = max(K, k_forced)) for the
-    methods that draft deterministic chains or nothing (none, ngram, sam; predictions on top of them); other
-    methods' proposers (heads, draft models, custom) stay as they are: their rows are still masked, they just
-    draft no forced tokens."""
-    from .methods import get  # the registry imports the decode loop, which imports this module
-
-    if k_forced == 0 or get(spec.method).kind not in ("plain", "lookup"):
+def wrap(proposer: Proposer, k_forced: int) -> Proposer:
+    """The row proposer with up to `k_forced` forced tokens drafted a step (`ForcedTokenProposer`,
+    K = max(K, k_forced)); the proposer itself where `k_forced` is 0 (`jaxspec.methods.forced_token_budget`
+    says which methods take forced drafts)."""
+    if k_forced == 0:
         return proposer
     inner = None if proposer.num_speculative_tokens == 0 else proposer
     return ForcedTokenProposer(max(k_forced, proposer.num_speculative_tokens), inner)

@@ -45,6 +45,9 @@ import numpy as np
 from flax import nnx
 
 from . import sharding
+from .cache import kv_bytes_per_slot
+from .kernels import cpu
+from .models import llama
 
 PRIOR_RATE = 0.5  # a row's acceptance rate before it has drafted
 PRIOR_WEIGHT = 4.0  # ... weighted as this many drafted tokens
@@ -158,8 +161,6 @@ def _forward_code(model_type: type) -> str:
     """A digest of the source of the forward: jaxspec's (the model's layers and attention, the CPU matmul paths)
     and the file defining the target's own class (`model_type`, a custom target's module). A table measured under
     other code (another attention grouping, another kernel, an edited custom model) is measured again."""
-    from .kernels import cpu
-    from .models import llama
     files = [Path(llama.__file__), Path(cpu.__file__), Path(cpu.__file__).with_name("small_matmul.cc")]
     try:
         own = inspect.getsourcefile(model_type)
@@ -215,12 +216,10 @@ def prior_verify_cost(lm, *, batch: int, widths: tuple[int, ...], cached: int) -
     platform's balance (`_BALANCE`) make it; c(w) is that over a one-token forward's. So a forward bound by
     memory costs about one plain step at any width, and one bound by compute grows with w (wide widths at many
     rows, on a CPU)."""
-    from .generation import kv_bytes_per_slot  # generation imports this module
-
     leaves = jax.tree.leaves(lm.params)
     params = sum(x.size for x in leaves)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
-    kv_bytes = kv_bytes_per_slot(lm)  # one row, one slot
+    kv_bytes = kv_bytes_per_slot(lm.module)  # one row, one slot
     kv_elements = kv_bytes / max(1, max(x.dtype.itemsize for x in leaves))
     queries_per_kv = getattr(lm.config, "q_per_kv", 1)
     balance = _BALANCE.get(jax.devices()[0].platform, _BALANCE["gpu"])

@@ -15,119 +15,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from . import constrained, cost, sharding
 from . import logprobs as lp
-from .cache import KVCache, write_new
-from .config import SamplingParams
 from .penalties import TokenCounts, penalize_scored
 from .proposers.base import ChainProposer, Committed, Context, Draft, Proposer
-from .rejection import rejection_sample
 from .sampling import row_keys, sample
-from .tree import depths, gather_nodes, gather_path, tree_ancestor_mask, verify_tree
+from .sampling_params import SamplingParams
+from .state import DecodeState, RowLimits, SpecCounters
+from .tree import depths
+from .verification import Drafts, Scoring, Verified, feature_layers, layer_request, target_features, verify
 
 # What a draft token outside [0, vocab) becomes before anything is fed to the target: the embedding lookup of
 # an out-of-range id gives NaN, whose K/V would stay in the cache past the row's length and poison the row.
 # Any id inside the vocabulary serves, since a draft holding the placeholder is never accepted.
 OOV_DRAFT_PLACEHOLDER = 0
-
-
-@flax.struct.dataclass
-class RowLimits:
-    """When each row stops: its token budget and its stop ids (`jaxspec.prepare` builds them)."""
-
-    max_new_tokens: jax.Array  # i32[B]  at least 1
-    stop_ids: jax.Array  # i32[B, M]  token ids that end the row (EOS and user stop ids), -1 padded
-    # i32[B]: the most drafts a row may score per step, below the proposer's K (None: K). Data, not a static
-    # setting, so a caller can turn speculation down or off between chunks without recompiling (rollouts do
-    # as rows finish and the verify cost of the shrinking batch changes).
-    draft_cap: jax.Array | None = None
-
-
-@flax.struct.dataclass
-class SpecCounters:
-    """Per-row acceptance bookkeeping, kept on the device and read once at the end."""
-
-    steps: jax.Array  # i32[B]  loop steps in which the row was active
-    drafted: jax.Array  # i32[B]
-    accepted: jax.Array  # i32[B]  accepted drafts that were emitted
-    drafted_at: jax.Array  # i32[B, K]  steps with a draft at position j
-    accepted_at: jax.Array  # i32[B, K]  steps whose draft at position j was accepted and emitted
-    committed: jax.Array  # i32[B, N]  tokens the row committed at each of its own steps
-
-    @classmethod
-    def zeros(cls, batch: int, k: int, buffer_len: int) -> "SpecCounters":
-        z = functools.partial(jnp.zeros, dtype=jnp.int32)
-        return cls(steps=z((batch,)), drafted=z((batch,)), accepted=z((batch,)), drafted_at=z((batch, k)),
-                   accepted_at=z((batch, k)), committed=z((batch, buffer_len)))
-
-    def record(self, active: jax.Array, num_draft: jax.Array, draft_depth: jax.Array, accepted: jax.Array,
-               kept: jax.Array) -> "SpecCounters":
-        """The counters after one step: active bool[B] rows drafted num_draft i32[B] tokens (or tree nodes)
-        reaching draft_depth i32[B] positions, and kept i32[B] tokens of which accepted i32[B] were drafts.
-        Per-position counts are by depth: a tree drafts at depth j when one of its scored nodes is that deep."""
-        batch, k = self.drafted_at.shape
-        pos = jnp.arange(k)
-        step_slot = jnp.where(active, self.steps, self.committed.shape[1])  # a finished row's write is dropped
-        return SpecCounters(
-            steps=self.steps + active,
-            drafted=self.drafted + jnp.where(active, num_draft, 0),
-            accepted=self.accepted + accepted,
-            drafted_at=self.drafted_at + (active[:, None] & (pos < draft_depth[:, None])),
-            accepted_at=self.accepted_at + (pos < accepted[:, None]),
-            committed=self.committed.at[jnp.arange(batch), step_slot].set(kept, mode="drop"))
-
-
-def mean_acceptance_length(committed: int, steps: int) -> float:
-    """Tokens committed per active row-step: the one definition every statistic uses (library, engine, /metrics).
-
-    A step commits its accepted drafts and then the target's own token, so plain decoding gives 1.0; a step cut
-    by a stop token or the token budget counts only what it kept. `committed` excludes each row's first token,
-    which prefill made. NaN when there were no steps.
-    """
-    return committed / steps if steps else float("nan")
-
-
-@flax.struct.dataclass
-class DecodeState:
-    """The whole batch's decode state on the device: what `prefill` returns and `decode`/`spec_step` advance.
-
-    A row's new tokens are `history[i, prompt_len[i]:history_len[i]]` (`jaxspec.Prepared.new_tokens` reads
-    them all as one array).
-    """
-
-    cache: KVCache
-    history: jax.Array  # i32[B, H]  prompt followed by the generated tokens (garbage past history_len)
-    history_len: jax.Array  # i32[B]
-    prompt_len: jax.Array  # i32[B]
-    # bool[B, H] beside `history`: True where the token was an accepted draft, False where the target produced
-    # it (each step commits a run of accepted drafts, then one token of the target's own)
-    from_draft: jax.Array
-    done: jax.Array  # bool[B]
-    steps: jax.Array  # i32[]  loop iterations (each one target forward)
-    pstate: Any  # the proposer's per-row state
-    counters: SpecCounters
-    logprobs: lp.LogprobBuffer | None = None  # beside `history`, when a row asked for log-probabilities
-    # each row's token counts, when the batch tracks them for penalties (`prefill(track_counts=True)`)
-    counts: TokenCounts | None = None
-    # each row's constraint state and the batch's automata, when some row decodes under a constraint
-    constraint: constrained.ConstraintRows | None = None
-
-    @property
-    def num_generated(self) -> jax.Array:
-        """i32[B]: tokens each row generated so far (its first, from prefill, included)."""
-        return self.history_len - self.prompt_len
-
-    @property
-    def last_tokens(self) -> jax.Array:
-        """i32[B]: each row's newest token, sampled but not yet in the cache."""
-        return jnp.take_along_axis(self.history, (self.history_len - 1)[:, None], axis=1)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +106,7 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla",
                        cached_slots=0, **layer_request(layers))
     # (the features cover every prompt position: EAGLE and Medusa heads start from them)
-    logits, hidden = out.logits, _target_features(out, layers)
+    logits, hidden = out.logits, target_features(out, layers)
     if group_size > 1:  # one forward per prompt, its cache and outputs copied into the group's rows
         logits, hidden, prompts, prompt_lens, cache = jax.tree.map(
             lambda x: jnp.repeat(x, group_size, axis=0), (logits, hidden, prompts, prompt_lens, cache))
@@ -253,133 +159,6 @@ def pinned(state: DecodeState) -> DecodeState:
     return sharding.constrain_rows(state.replace(cache=None), batch).replace(cache=cache)
 
 
-@flax.struct.dataclass
-class Verified:
-    """One step's verification, before anything is committed: each row's output tokens (its accepted drafts,
-    then the target's own token) and the cache holding their K/V, its lengths not yet advanced."""
-
-    tokens: jax.Array  # i32[B, K+1]  -1 padded
-    num: jax.Array  # i32[B]  in [1, K+1]
-    cache: KVCache
-    # f32[B, K+1, D]: the target's hidden state at the fed token behind each output (proposers with
-    # needs_features; [B, K+1, L*D] with feature_layers), else None
-    features: jax.Array | None
-    logprobs: lp.Scored | None  # the outputs' log-probabilities, padded to K+1, when a row asked for them
-
-
-def _verified(tokens: jax.Array, num: jax.Array, cache: KVCache, features: jax.Array | None,
-              logprobs: lp.Scored | None, k: int) -> Verified:
-    """A Verified whose outputs (and features) are padded from [B, W] to [B, K+1], so every width agrees."""
-    pad = k + 1 - tokens.shape[1]
-    tokens = jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=-1)
-    if features is not None:
-        features = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
-    return Verified(tokens=tokens, num=num, cache=cache, features=features, logprobs=logprobs)
-
-
-def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, sampling: SamplingParams,
-                 k: int) -> lp.Scored | None:
-    """The log-probabilities of output tokens i32[B, W], padded to K + 1, from `logits_fn()`: the raw logits
-    f32[B, W, V] and those the rows sampled from before temperature and truncation (penalised)."""
-    buffer = state.logprobs
-    if buffer is None:
-        return None
-    def compute():
-        raw, adjusted = logits_fn()
-        return lp.score(raw, tokens, buffer.num_top, sampling, buffer.processed, adjusted)
-
-    return lp.record(buffer, ~state.done, compute).pad(k + 1)
-
-
-def feature_layers(proposer) -> tuple[int, ...] | None:
-    """What `proposer` reads of the target at each position: None nothing, () its final hidden state
-    (`output.hidden`), or the outputs of these decoder layers, concatenated (an EAGLE-3 head's)."""
-    if not proposer.needs_features:
-        return None
-    return tuple(getattr(proposer, "feature_layers", ()))
-
-
-def layer_request(layers: tuple[int, ...] | None) -> dict:
-    """The forward's keyword asking for decoder layers' outputs, only when some are wanted: a target without
-    `return_layers` then serves every other method."""
-    return {"return_layers": layers} if layers else {}
-
-
-def _target_features(out, layers: tuple[int, ...] | None) -> jax.Array | None:
-    """[B, T, D] final hidden states, [B, T, L*D] the chosen layers' outputs side by side, or None."""
-    if layers is None:
-        return None
-    return jnp.concatenate(out.layer_hidden, axis=-1) if layers else out.hidden
-
-
-def _score_chain(model, width: int, state: DecodeState, draft: Draft, num_draft: jax.Array,
-                 sampling: SamplingParams, limits: RowLimits, k: int, attention_impl: str,
-                 layers: tuple[int, ...] | None, defer: bool = False) -> Verified:
-    """One target forward over each row's newest token plus its first `width - 1` drafts, then rejection
-    sampling along the chain. With `defer` the Verified's cache holds only the new K/V (`_forward`)."""
-    cache = state.cache
-    fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # i32[B, width]
-    positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
-    out, written = _forward(model, fed, positions, cache, None, attention_impl, defer, layers)
-    logits = penalize_scored(out.logits, state.counts, fed, None, sampling)  # f32[B, width, V]
-    logits = constrained.constrain_scored(logits, state.constraint, fed, None, limits.stop_ids)
-    probs = None if draft.probs is None else draft.probs[:, : width - 1]
-    keys = jax.vmap(jax.random.key)(sampling.seed)
-    # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
-    tokens, num = rejection_sample(keys, logits, draft.tokens[:, : width - 1], probs, num_draft, sampling,
-                                   positions=cache.lengths + 1)
-    scored = _logprobs_of(state, lambda: (out.logits, logits), tokens, sampling, k)
-    return _verified(tokens, num, written, _target_features(out, layers), scored, k)
-
-
-def _forward(model, fed: jax.Array, positions: jax.Array, cache: KVCache, tree_mask: jax.Array | None,
-             attention_impl: str, defer: bool, layers: tuple[int, ...] | None):
-    """The target forward of a verify step: (output, the cache with the fed tokens' K/V written), or with
-    `defer` (output, a cache of `width` slots holding just their K/V), written by `_write_deferred`."""
-    extra = layer_request(layers)
-    if defer:
-        extra["write_cache"] = False
-    return model(fed, positions, cache, tree_mask=tree_mask, attention_impl=attention_impl, **extra)
-
-
-def _score_tree(model, width: int, state: DecodeState, draft: Draft, in_vocab: jax.Array, node_depth: jax.Array,
-                num_nodes: jax.Array, max_draft: jax.Array, sampling: SamplingParams, limits: RowLimits, k: int,
-                max_depth: int, attention_impl: str, layers: tuple[int, ...] | None, defer: bool = False) -> Verified:
-    """The tree version: one forward over the root and the first `width - 1` draft nodes under their ancestor
-    mask, verification along the tree, and the accepted path's K/V moved to contiguous slots. A node whose
-    token was out of the vocabulary (`in_vocab` bool[B, K] False), or under such a node, is never accepted.
-
-    Node i's K/V is written at slot lengths + i; after verification path node j moves to slot lengths + j, so
-    the cache again holds a plain prefix and later steps never see the tree.
-    """
-    cache = state.cache
-    n = width - 1
-    tokens, parents = draft.tokens[:, :n], draft.parents[:, :n]  # i32[B, n]
-    fed = jnp.concatenate([state.last_tokens[:, None], tokens], axis=1)  # i32[B, width]: root, then the nodes
-    depth = node_depth[:, :width]  # i32[B, width]: a parent precedes its child, so a prefix keeps its depths
-    mask = tree_ancestor_mask(parents)  # bool[B, width, width]
-    out, written = _forward(model, fed, cache.lengths[:, None] + depth, cache, mask, attention_impl, defer, layers)
-    logits = penalize_scored(out.logits, state.counts, fed, mask, sampling)  # f32[B, width, V]
-    logits = constrained.constrain_scored(logits, state.constraint, fed, parents, limits.stop_ids)
-    # Nodes past the row's node count, deeper than it may still emit, on a path through an out-of-vocabulary
-    # token, or whose slot lies past the cache's end (its K/V dropped, `write_new`; a node's ancestors come
-    # before it, so they fit wherever it does) are never accepted.
-    in_cache = cache.lengths[:, None] + 1 + jnp.arange(n) < cache.max_len  # bool[B, n]: node i+1's slot exists
-    valid = ((jnp.arange(n) < num_nodes[:, None]) & (depth[:, 1:] <= max_draft[:, None])
-             & _path_in_vocab(mask, in_vocab[:, :n]) & in_cache)  # bool[B, n]
-    probs = None if draft.probs is None else draft.probs[:, :n]
-    keys = jax.vmap(jax.random.key)(sampling.seed)
-    path, out_tokens, num = verify_tree(keys, logits, tokens, parents, valid, probs, sampling,
-                                        positions=cache.lengths + 1, max_depth=min(max_depth, n))
-    # Written slots start at the written cache's lengths: the rows' lengths, or 0 for deferred K/V.
-    written = written.map_layers(lambda b: gather_path(b, written.lengths, path))
-    features = None if layers is None else gather_nodes(_target_features(out, layers), path)
-    # Output token j was drawn from the logits of path node j (the root first).
-    scored = _logprobs_of(state, lambda: (gather_nodes(out.logits, path), gather_nodes(logits, path)), out_tokens,
-                          sampling, k)
-    return _verified(out_tokens, num, written, features, scored, k)
-
-
 def _replace_out_of_vocab(draft: Draft, vocab: int) -> tuple[Draft, jax.Array]:
     """The draft with every token outside [0, vocab) replaced by OOV_DRAFT_PLACEHOLDER, and bool[B, K] which
     tokens were inside it. Proposers are pluggable (a custom one, a static corpus): nothing they return may
@@ -387,13 +166,6 @@ def _replace_out_of_vocab(draft: Draft, vocab: int) -> tuple[Draft, jax.Array]:
     tokens = draft.tokens.astype(jnp.int32)  # i32[B, K]
     in_vocab = (tokens >= 0) & (tokens < vocab)  # bool[B, K]
     return draft.replace(tokens=jnp.where(in_vocab, tokens, OOV_DRAFT_PLACEHOLDER)), in_vocab
-
-
-def _path_in_vocab(mask: jax.Array, in_vocab: jax.Array) -> jax.Array:
-    """bool[B, n]: node i+1 and all its ancestors hold in-vocabulary tokens, so node validity stays closed under
-    ancestors (mask bool[B, n+1, n+1] from tree_ancestor_mask, in_vocab bool[B, n])."""
-    ok = jnp.concatenate([jnp.ones_like(in_vocab[:, :1]), in_vocab], axis=1)  # bool[B, n+1], the root is fed
-    return jnp.all(~mask | ok[:, None, :], axis=-1)[:, 1:]
 
 
 def _num_draft(draft: Draft, in_vocab: jax.Array, max_draft: jax.Array, k: int) -> jax.Array:
@@ -414,59 +186,6 @@ def _draft_depth(num_draft: jax.Array, node_depth: jax.Array | None, max_draft: 
         return num_draft
     scored = jnp.arange(k) < num_draft[:, None]  # bool[B, K]
     return jnp.minimum(jnp.max(jnp.where(scored, node_depth[:, 1:], 0), axis=1), max_draft)
-
-
-def verify(model, proposer: Proposer, state: DecodeState, draft: Draft, num_draft: jax.Array, in_vocab: jax.Array,
-           node_depth: jax.Array | None, max_draft: jax.Array, sampling: SamplingParams, widths: tuple[int, ...],
-           choice: jax.Array, attention_impl: str, limits: RowLimits | None = None) -> Verified:
-    """Score each row's newest token and its first num_draft i32[B] drafts with one target forward at
-    `widths[choice]` (a `lax.switch` over the compiled widths) and verify them losslessly. `limits` gives the
-    stop ids a constrained row may end with (needed when the state has constraints)."""
-    k = proposer.num_speculative_tokens
-    if limits is None:
-        if state.constraint is not None:
-            raise ValueError("verify needs limits= when the state decodes under constraints")
-        limits = RowLimits(max_new_tokens=jnp.ones_like(num_draft), stop_ids=jnp.full((num_draft.shape[0], 1), -1))
-
-    # Several widths: the forwards leave the cache unwritten and one write after the switch adds their K/V,
-    # where the model can (`write_cache=False`); a branch that updated the cache would make XLA copy it whole.
-    defer = len(widths) > 1 and attention_impl == "xla" and getattr(model, "defers_cache_writes", False)
-    widest = max(widths)
-
-    def branch(width):
-        n = jnp.minimum(num_draft, width - 1)
-        if node_depth is not None:
-            def run():
-                return _score_tree(model, width, state, draft, in_vocab, node_depth, n, max_draft, sampling,
-                                   limits, k, proposer.max_depth, attention_impl, feature_layers(proposer), defer)
-        else:
-            def run():
-                return _score_chain(model, width, state, draft, n, sampling, limits, k, attention_impl,
-                                    feature_layers(proposer), defer)
-        if not defer:
-            return run
-        return lambda: _pad_slots(run(), widest)
-
-    if len(widths) == 1:
-        return branch(widths[0])()
-    verified = jax.lax.switch(choice, [branch(w) for w in widths])
-    return _write_deferred(verified, state.cache) if defer else verified
-
-
-def _pad_slots(verified: Verified, widest: int) -> Verified:
-    """A deferred Verified's K/V slots [B, Hkv, width, hd] padded to `widest`, so every branch agrees. The
-    padding lands past each row's new length, in slots no row reads before writing them again."""
-    def pad(b):
-        return jnp.pad(b, ((0, 0), (0, 0), (0, widest - b.shape[2]), (0, 0)))
-
-    return verified.replace(cache=verified.cache.map_layers(pad))
-
-
-def _write_deferred(verified: Verified, cache: KVCache) -> Verified:
-    """The Verified with its K/V slots written into `cache` at each row's length (outside any conditional, so in
-    place; the widest width fits there, as every branch's forward needs)."""
-    slots = verified.cache
-    return verified.replace(cache=cache.map_layers(lambda b, n: write_new(b, n, cache.lengths), slots))
 
 
 def _width_choice(widths: tuple[int, ...], num_draft: jax.Array, state: DecodeState, draft: Draft,
@@ -551,8 +270,9 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     choice = _width_choice(widths, num_draft, state, draft, limits, verify_cost)
     num_draft = jnp.minimum(num_draft, jnp.asarray(widths, jnp.int32)[choice] - 1)  # drafts past it wait
 
-    verified = verify(model, proposer, state, draft, num_draft, in_vocab, node_depth, ctx.max_draft, sampling,
-                      widths, choice, attention_impl, limits)
+    drafts = Drafts(draft=draft, num=num_draft, in_vocab=in_vocab, node_depth=node_depth, max_draft=ctx.max_draft)
+    verified = verify(Scoring.of(model, proposer, widths, attention_impl), state, drafts, sampling, widths, choice,
+                      limits)
     new, keep, accepted = commit(state, verified, limits)
     counters = state.counters.record(~state.done, num_draft, _draft_depth(num_draft, node_depth, ctx.max_draft, k),
                                      accepted, keep)

@@ -27,10 +27,10 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from .config import SamplingParams
 from .generation import GenerateResult, generate, normalise_prompts, rng_seeds
 from .models.loading import LanguageModel
 from .rollouts import RolloutResult, rollout
+from .sampling_params import SamplingParams
 
 ENV_COORDINATOR = "JAXSPEC_COORDINATOR"  # host:port of process 0's coordinator service
 ENV_NUM_PROCESSES = "JAXSPEC_NUM_PROCESSES"

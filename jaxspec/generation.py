@@ -18,16 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import constrained, cost, predicted, sharding
-from .config import SamplingParams, SpecConfig, _short_repr, is_integer
-from .decode import RowLimits, decode, mean_acceptance_length, prefill, propose_once
+from .builders import build_proposer
+from .cache import kv_bytes_per_slot
+from .decode import decode, prefill, propose_once
 from .limits import check_prompt, eos_ids, is_token_list, stop_ids, stop_table
 from .logprobs import TokenLogprob, to_host
-from .methods import build_proposer
+from .methods import forced_token_budget
 from .models.loading import LanguageModel
 from .penalties import any_penalty
-from .proposers.base import Draft, Proposer, drafts_chains, drafts_from_corpus, ranks_tree_nodes
+from .proposers.base import Draft, Proposer, drafts_chains
+from .sampling_params import SamplingParams
 from .shapes import CACHE_ALIGN, bucket_shapes, widths_for_cost_choice, widths_for_forced_text, widths_for_long_drafts
+from .spec_config import SpecConfig
+from .state import RowLimits, mean_acceptance_length
 from .text import TextStream
+from .validation import is_integer, short_repr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +52,7 @@ class RowStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens committed per step (`jaxspec.decode.mean_acceptance_length`)."""
+        """Tokens committed per step (`jaxspec.state.mean_acceptance_length`)."""
         return mean_acceptance_length(sum(self.committed_per_step), self.steps)
 
     @property
@@ -85,7 +90,7 @@ class GenerateStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens committed per active row-step over all rows (`jaxspec.decode.mean_acceptance_length`)."""
+        """Tokens committed per active row-step over all rows (`jaxspec.state.mean_acceptance_length`)."""
         return mean_acceptance_length(sum(sum(r.committed_per_step) for r in self.rows), self.row_steps)
 
     @property
@@ -242,17 +247,9 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_bytes_per_slot(lm: LanguageModel) -> int:
-    """Bytes one row's KV cache takes per slot, read from the target's own `new_cache` (the model contract: any
-    layout, heads and dtype) by shape alone, nothing allocated."""
-    module = lm.module
-    cache = jax.eval_shape(lambda: module.new_cache(1, 1))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))
-
-
 def rows_bytes(lm: LanguageModel, *, num_rows: int, cache_len: int, history_len: int, logprobs: bool) -> int:
     """Bytes `num_rows` decoding rows hold on the device: KV cache, token history, log-probabilities."""
-    kv = num_rows * cache_len * kv_bytes_per_slot(lm)
+    kv = num_rows * cache_len * kv_bytes_per_slot(lm.module)
     return kv + num_rows * history_len * (4 + 1 + (4 if logprobs else 0))
 
 
@@ -436,11 +433,11 @@ def _check_draft_field(proposer, name: str, got, want: tuple[int, ...] | None, k
     if got is None:
         if optional:
             return
-        raise ValueError(f"proposer {_short_repr(proposer)}: Draft.{name} is None; expected shape {want}")
+        raise ValueError(f"proposer {short_repr(proposer)}: Draft.{name} is None; expected shape {want}")
     shape, dtype = tuple(getattr(got, "shape", ())), getattr(got, "dtype", None)
     if shape != want or dtype is None or not jnp.issubdtype(dtype, kind):
         kind_name = "integers" if kind is jnp.integer else "floats"
-        raise ValueError(f"proposer {_short_repr(proposer)}: Draft.{name} has shape {shape} and dtype {dtype}; "
+        raise ValueError(f"proposer {short_repr(proposer)}: Draft.{name} has shape {shape} and dtype {dtype}; "
                          f"expected {kind_name} of shape {want}" + (" or None" if optional else ""))
 
 
@@ -454,7 +451,7 @@ def check_draft_shapes(lm: LanguageModel, prepared: "Prepared") -> None:
                                   graphdef=lm.graphdef, proposer=proposer, cache_len=p.cache_len,
                                   buffer_len=p.buffer_len)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Draft)):
-        raise ValueError(f"proposer {_short_repr(proposer)}: propose must return (Draft, state); got {out!r}")
+        raise ValueError(f"proposer {short_repr(proposer)}: propose must return (Draft, state); got {out!r}")
     draft = out[0]
     b, k, v = p.batch_size, proposer.num_speculative_tokens, lm.config.vocab_size
     for name, want, kind, optional in (("tokens", (b, k), jnp.integer, False),
@@ -478,18 +475,18 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     proposer, proposer_params = build_proposer(lm, req.spec, prompt_width=width, buffer_len=buffer_len,
                                                cache_len=cache_len)
     widths = req.spec.verify_widths
-    corpus = drafts_from_corpus(proposer)  # before a wrapper hides it
+    corpus = proposer.uses_corpus  # before a wrapper hides it
     if req.predictions is not None:
         proposer = predicted.wrap(proposer, req.spec, req.predictions)
     if req.constraint is not None:
-        proposer = constrained.wrap(proposer, req.spec, req.spec.forced_tokens)
+        proposer = constrained.wrap(proposer, forced_token_budget(req.spec))
     if proposer.num_speculative_tokens > req.spec.num_speculative_tokens:
         widths = widths_for_long_drafts(widths, proposer.num_speculative_tokens)
     if isinstance(proposer, constrained.ForcedTokenProposer):
         widths = widths_for_forced_text(widths, proposer.num_speculative_tokens)
     verify_cost = None
     # Chains, and trees drafted best node first; the loop would ignore another tree's table.
-    ranked = ranks_tree_nodes(proposer)
+    ranked = proposer.ranks_nodes
     if ((drafts_chains(proposer) or ranked) and req.spec.cost_aware_at(batch, ranked, corpus) and len(widths) > 1
             and cost.enabled()):
         widths = widths_for_cost_choice(widths, proposer.num_speculative_tokens, tree=ranked)
@@ -659,11 +656,11 @@ def check_stop_strings(lm: LanguageModel, stop, batch: int) -> tuple[tuple[str, 
     elif isinstance(stop, (list, tuple)) and len(stop) == batch:
         rows = [[] if s is None else [s] if isinstance(s, str) else s for s in stop]
     else:
-        raise ValueError(f"stop={_short_repr(stop)} must be a string, a list of strings, or one of those (or None) "
+        raise ValueError(f"stop={short_repr(stop)} must be a string, a list of strings, or one of those (or None) "
                          f"per prompt: {batch} entries")
     for i, row in enumerate(rows):
         if not isinstance(row, (list, tuple)) or any(not isinstance(s, str) or not s for s in row):
-            raise ValueError(f"stop[{i}]={_short_repr(row)} must hold non-empty strings")
+            raise ValueError(f"stop[{i}]={short_repr(row)} must hold non-empty strings")
     if any(rows) and lm.tokenizer is None:
         raise ValueError("stop= strings need the model's tokenizer (the model has none; use stop_token_ids)")
     return tuple(tuple(r) for r in rows) if any(rows) else None

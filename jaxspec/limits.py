@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import _short_repr, is_integer
+from .validation import is_integer, short_repr
 
 
 def is_token_list(x) -> bool:
@@ -24,7 +24,7 @@ def is_token_list(x) -> bool:
 def check_token_ids(ids, vocab_size: int, where: str) -> list[int]:
     """`ids` as Python ints; ValueError naming `where` unless they are integer token ids in [0, vocab_size)."""
     if not is_token_list(ids):
-        raise ValueError(f"{where}={_short_repr(ids)} must be a list of integer token ids")
+        raise ValueError(f"{where}={short_repr(ids)} must be a list of integer token ids")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{where} has token id {bad[0]} outside [0, {vocab_size})")

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import SamplingParams
 from .sampling import process_logits
+from .sampling_params import SamplingParams
 
 
 @flax.struct.dataclass

@@ -22,7 +22,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from .config import SamplingParams
+from .sampling_params import SamplingParams
 
 LOGIT_BOUND = 1e30  # penalised logits are clipped to [-LOGIT_BOUND, LOGIT_BOUND]
 

@@ -14,11 +14,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .config import SpecConfig
 from .decode import NoProposer
 from .proposers.base import Proposer, drafts_chains
 from .proposers.prediction import PredictionProposer, PredictionState, pad_predictions, with_prediction
 from .shapes import next_pow2
+from .spec_config import SpecConfig
 
 MIN_PREDICTION_WIDTH = 64  # prediction buffers are a power of two wide, at least this: few compiled shapes
 RESYNC_NGRAM, RESYNC_MIN_MATCH = 8, 4  # after an edit, re-synchronise on the newest 8..4 output tokens

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import SamplingParams
 from .sampling import argmax, categorical, draw, is_greedy, process_logits
+from .sampling_params import SamplingParams
 
 _ACCEPT_STREAM = 0x5EC0DE  # far above any draft index, so no draft-model key coincides with it
 

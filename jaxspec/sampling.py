@@ -11,15 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .config import SamplingParams
-
-# Temperatures below this floor are greedy, exactly as temperature 0, everywhere a row's temperature decides
-# between the argmax and a draw (`process_logits`, `sample`, `is_greedy`, chain and tree verification, and the
-# proposers, which sample through this module). Why a floor: logits / T overflows float32 to inf for tiny T
-# (already at T < ~1e-37 for logits of size ~10), and inf logits draw token 0 or make NaN probabilities. Why
-# 1e-5, the epsilon vLLM treats as greedy: above it, logits of magnitude up to ~1e30 stay finite after the
-# division, and below it sampling is already a point mass in practice: a logit gap of 1e-3 becomes e^-100.
-GREEDY_BELOW = 1e-5
+from .sampling_params import GREEDY_BELOW, SamplingParams
 
 
 def is_greedy(temperature: jax.Array) -> jax.Array:

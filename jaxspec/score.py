@@ -26,10 +26,10 @@ import numpy as np
 from flax import nnx
 
 from . import logprobs as lp
-from .config import _short_repr, is_integer
 from .generation import _host
 from .models.loading import LanguageModel
 from .rollouts.inputs import check_params
+from .validation import is_integer, short_repr
 
 
 @flax.struct.dataclass
@@ -115,7 +115,7 @@ def _token_array(token_ids) -> np.ndarray:
     if isinstance(token_ids, (list, tuple)):
         rows = [_host(r, f"token_ids[{i}]") for i, r in enumerate(token_ids)]
         if not rows or not all(isinstance(r, (list, tuple, np.ndarray)) for r in rows):
-            raise ValueError(f"token_ids={_short_repr(token_ids)} must be a non-empty list of token-id lists or an "
+            raise ValueError(f"token_ids={short_repr(token_ids)} must be a non-empty list of token-id lists or an "
                              f"integer array [B, T]")
         for i, r in enumerate(rows):
             if len(r) != len(rows[0]):
@@ -125,10 +125,10 @@ def _token_array(token_ids) -> np.ndarray:
                 raise ValueError(f"token_ids[{i}] is a {r.dtype} array of shape {r.shape}; a row must be 1-D "
                                  f"integer token ids")
             if not isinstance(r, np.ndarray) and not all(is_integer(x) for x in r):
-                raise ValueError(f"token_ids[{i}]={_short_repr(r)} must hold integer token ids")
+                raise ValueError(f"token_ids[{i}]={short_repr(r)} must hold integer token ids")
         token_ids = np.asarray(rows, np.int64).reshape(len(rows), -1)
     if not isinstance(token_ids, np.ndarray):
-        raise ValueError(f"token_ids={_short_repr(token_ids)} must be an integer array [B, T] or a list of token-id "
+        raise ValueError(f"token_ids={short_repr(token_ids)} must be an integer array [B, T] or a list of token-id "
                          f"lists")
     if token_ids.ndim != 2 or token_ids.dtype.kind not in "iu":
         raise ValueError(f"token_ids is a {token_ids.dtype} array of shape {token_ids.shape}; it must be integer "
@@ -143,7 +143,7 @@ def _row_ints(value, name: str, batch: int, low: int, high: np.ndarray | int) ->
     value = _host(value, name)
     arr = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
     if arr is None or arr.shape != (batch,) or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"{name}={_short_repr(value)} must be {batch} integers, one per row of token_ids")
+        raise ValueError(f"{name}={short_repr(value)} must be {batch} integers, one per row of token_ids")
     high = np.broadcast_to(np.asarray(high), (batch,))
     for i, (n, hi) in enumerate(zip(arr.tolist(), high.tolist())):
         if not low <= n <= hi:
@@ -163,7 +163,7 @@ def _lengths(lengths, mask, batch: int, width: int) -> np.ndarray:
         shape = "no shape" if arr is None else f"shape {arr.shape}"
         raise ValueError(f"mask has {shape}; it must be booleans of token_ids' shape {(batch, width)}")
     if arr.dtype.kind not in "biu" or not np.isin(arr, (0, 1)).all():
-        raise ValueError(f"mask={_short_repr(mask)} must hold booleans (or 0 and 1)")
+        raise ValueError(f"mask={short_repr(mask)} must hold booleans (or 0 and 1)")
     arr = arr.astype(bool)
     lengths = arr.sum(axis=1)
     for i, n in enumerate(lengths.tolist()):

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .cache import KVCache
+from .methods import get
+from .models.config import RopeConfig
 
 # Config fields every target needs, and why (the reason goes into the error message).
 CORE_CONFIG_FIELDS: Mapping[str, str] = types.MappingProxyType({
@@ -196,8 +198,6 @@ def _config_problems(cfg, method: str | None) -> str | None:
         return (f"{_label(method)} needs cfg.hidden_size, a positive int: the width D of the hidden states the "
                 f"heads read and of the embedding and LM head they share")
     if "eagle_head" in needs:
-        from .models.config import RopeConfig
-
         for name in EAGLE_CONFIG_FIELDS:
             if getattr(cfg, name, _MISSING) is _MISSING:
                 return (f"{_label(method)} needs cfg.{name}: the EAGLE head is one Llama decoder layer sized from "
@@ -256,8 +256,6 @@ def _needs(method: str | None) -> tuple[str, ...]:
     """What `method` needs beyond the core contract (`jaxspec.methods.Method.needs`)."""
     if method is None:
         return ()
-    from .methods import get  # the registry builds proposers, whose modules load models that import this one
-
     return get(method).needs
 
 

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import SamplingParams, is_integer
 from .rejection import _ACCEPT_STREAM
 from .sampling import argmax, categorical, draw, is_greedy, process_logits
+from .sampling_params import SamplingParams
+from .validation import is_integer
 
 __all__ = [
     "TreeTopology",
@@ -562,3 +563,9 @@ def gather_nodes(x: jax.Array, path: jax.Array) -> jax.Array:
     if x.ndim < 2 or x.shape[0] != path.shape[0]:
         raise ValueError(f"x must be [B, K+1, ...] with B={path.shape[0]}, got {x.shape=}")
     return jax.vmap(lambda row, nodes: row[nodes])(x, jnp.maximum(path, 0))
+
+
+def dynamic_tree_nodes(depth: int, top_k: int) -> int:
+    """The nodes an EAGLE-2 dynamic tree drafts before its best K are kept: the root's top_k children, then
+    top_k children for each of the top_k frontier nodes at every further level."""
+    return top_k + (depth - 1) * top_k ** 2

@@ -20,6 +20,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from .files import FileError, field, json_object
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's: SwiGLU's, and Gemma's tanh-approximated GELU
@@ -190,7 +192,6 @@ class ModelConfig:
         another `model_type` or `architectures` (listing the supported ones), for what this decoder does not
         implement (another activation, MLP biases, bidirectional attention), and for a missing or mistyped field or
         a value the config refuses."""
-        from .files import FileError, field, json_object
 
         cfg = json_object(cfg, source)
         model_type = _architecture(cfg, source)
@@ -247,7 +248,6 @@ class ModelConfig:
 
 def _architecture(cfg: dict[str, Any], source: str) -> str:
     """The config's `model_type`, checked against `HF_ARCHITECTURES` together with its `architectures` list."""
-    from .files import FileError, field
 
     model_type = field(cfg, "model_type", "str", source, "llama")
     supported = ", ".join(f"{t} ({c})" for t, c in HF_ARCHITECTURES.items())
@@ -274,7 +274,6 @@ def _experts(cfg: dict[str, Any], model_type: str, num_layers: int,
     `num_experts` (`num_local_experts` in what transformers 5 writes), its experts' width `moe_intermediate_size`
     and its rule `norm_topk_prob`. Qwen3-MoE configs whose layers mix dense MLPs and experts (`mlp_only_layers`,
     `decoder_sparse_step`) are refused: the layer stack is uniform."""
-    from .files import FileError, field
 
     if model_type not in ("mixtral", "qwen3_moe"):
         return 0, 0, True, None
@@ -295,7 +294,6 @@ def _experts(cfg: dict[str, Any], model_type: str, num_layers: int,
 
 def _activation(cfg: dict[str, Any], gemma: bool, source: str) -> str:
     """The MLP gate's activation: Gemma's `hidden_activation` (older configs: `hidden_act`), others' `hidden_act`."""
-    from .files import FileError, field
 
     name = "hidden_act"
     if gemma:
@@ -309,7 +307,6 @@ def _activation(cfg: dict[str, Any], gemma: bool, source: str) -> str:
 def _softcap(cfg: dict[str, Any], name: str, read: bool, default: float | None, source: str) -> float | None:
     """Field `name` (a soft-capping constant; null for none) where the architecture applies it, else None;
     `default` where the config leaves it out."""
-    from .files import field
 
     if not read:
         return None
@@ -326,7 +323,6 @@ def _ropes(cfg: dict[str, Any], model_type: str, source: str) -> tuple[RopeConfi
     "sliding_attention", Gemma 3's); earlier releases `rope_theta` and `rope_scaling`, and Gemma 3
     `rope_local_base_freq` for its local layers. Gemma 3's default thetas are transformers': 1e6 for global
     layers, 1e4 for local ones."""
-    from .files import field
 
     gemma3 = model_type == "gemma3_text"
     full_theta = 1e6 if gemma3 else 10000.0
@@ -350,7 +346,6 @@ def _ropes(cfg: dict[str, Any], model_type: str, source: str) -> tuple[RopeConfi
 
 def _rope(cfg: dict[str, Any], scaling: dict[str, Any], default_theta: float, where: str, source: str) -> RopeConfig:
     """A RopeConfig from one dict of rotary settings (theta, rope_type or type, and the scaling fields)."""
-    from .files import field
 
     rope_type = field(scaling, "rope_type", "str", where, field(scaling, "type", "str", where, "default"))
     return RopeConfig(
@@ -377,7 +372,6 @@ def _attention_kinds(cfg: dict[str, Any], model_type: str, num_layers: int,
     "sliding_attention" or, in earlier configs, those from `max_window_layers` on. Gemma windows the layers
     `layer_types` marks, by default every other layer from the first (Gemma 2) or all but every
     `sliding_window_pattern`-th (Gemma 3, pattern 6), within transformers' default window of 4096."""
-    from .files import FileError, field
 
     gemma = model_type in GEMMA
     window = field(cfg, "sliding_window", "int", source, 4096 if gemma else None)

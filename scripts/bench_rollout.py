@@ -51,7 +51,7 @@ from benchkit import machine, output, page, plots, tables, workloads
 from benchkit.cli import floats
 from benchkit.timing import interleave
 from jaxspec import SamplingParams, SpecConfig
-from jaxspec.config import SAM_INDEXES
+from jaxspec.proposers.sam import SAM_INDEXES
 
 METHODS = ("generate", "none", "none-unshared", "sam", "group_sam", "group_sam+refs")
 CONTEXT = 4  # tokens of context behind a predicted next token, for the ceiling

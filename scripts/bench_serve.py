@@ -12,7 +12,7 @@ by default). For every (mode, concurrency) it reports:
   over requests. The server streams a chunk per `--chunk-steps` decode steps, so a chunk can carry several
   tokens; the gaps between chunks are recorded too (raw, in the JSON);
 * mean acceptance length: tokens committed per active row-step over the level, from the server's Prometheus
-  counters scraped before and after it: `jaxspec.decode.mean_acceptance_length(d committed, d row_steps)`
+  counters scraped before and after it: `jaxspec.state.mean_acceptance_length(d committed, d row_steps)`
   (1.0 without speculation).
 
 Modes are server policies: `off` (never speculate), `fixed` (always speculate, SAM drafts) and `adaptive`

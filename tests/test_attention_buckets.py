@@ -22,12 +22,13 @@ from flax import nnx
 import jaxspec
 from jaxspec import SamplingParams
 from jaxspec.cache import write_new
-from jaxspec.decode import NoProposer, RowLimits, decode, prefill
+from jaxspec.decode import NoProposer, decode, prefill
 from jaxspec.models import llama
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import Llama, row_group
 from jaxspec.proposers.base import Context, Draft
 from jaxspec.proposers.ngram import NgramProposer
+from jaxspec.state import RowLimits
 from jaxspec.tree import tree_ancestor_mask
 
 CFG = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,

@@ -18,8 +18,8 @@ from scipy import stats
 
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
+from jaxspec.builders import draft_readout
 from jaxspec.decode import propose_once
-from jaxspec.methods import draft_readout
 from jaxspec.models.heads import WEIGHTS_DIR, load_draft_vocab, save_draft_vocab
 from jaxspec.proposers.eagle import EagleProposer
 from jaxspec.train import draft_vocab

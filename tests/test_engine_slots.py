@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from jaxspec import SamplingParams
-from jaxspec.decode import DecodeState, RowLimits
 from jaxspec.engine import Engine, EngineMetrics, Request, slots
 from jaxspec.engine.request import MAX_STOP_IDS, LiveRequest, validate
 from jaxspec.engine.runner import Runner
 from jaxspec.limits import eos_ids, stop_table
 from jaxspec.policy import FixedPolicy
+from jaxspec.state import DecodeState, RowLimits
 from test_engine import CONFIG, PROMPTS, K, N, offline, run_all
 
 

@@ -1,4 +1,4 @@
-"""The generalized suffix automata of rollout groups (`jaxspec.proposers.group_automaton`) against a host
+"""The generalized suffix automata of rollout groups (`jaxspec.proposers.index.group_automaton`) against a host
 reference and brute force: interleaved appends to several strings of several groups over random alphabets,
 after which each group's device tables must be the reference automaton (the same labelled graph, lengths,
 links and witnesses), accept exactly the substrings of the group's strings, have one state per endpos class,
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.proposers import group_automaton as ga
-from jaxspec.proposers.suffix_automaton import DST, HEAD, LENGTH, LINK, NEXT, SRC, TOKEN
+from jaxspec.proposers.index import group_automaton as ga
+from jaxspec.proposers.index.suffix_automaton import DST, HEAD, LENGTH, LINK, NEXT, SRC, TOKEN
 
 G, N, L, K = 3, 4, 24, 5  # groups, strings per group, max_text_len, draft length
 ROWS, M, STEPS = 6, 4, 16  # rows per extend_rows call, tokens per row, calls per random test

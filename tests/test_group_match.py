@@ -1,4 +1,4 @@
-"""The texts index of rollout groups (`jaxspec.proposers.group_match`) against brute force: interleaved appends
+"""The texts index of rollout groups (`jaxspec.proposers.index.group_match`) against brute force: interleaved appends
 by rows of several groups over random alphabets, references, unused rows, texts past their capacity, catching
 up; each draft must be the continuation of the first (string, position) with the longest suffix match (up to
 `max_match` tokens) among positions with a continuation, and below the cap its match length must be the group
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from jaxspec import SpecConfig
-from jaxspec.proposers import group_automaton as ga
-from jaxspec.proposers import group_match as gm
 from jaxspec.proposers.group_sam import GroupSamProposer
+from jaxspec.proposers.index import group_automaton as ga
+from jaxspec.proposers.index import group_match as gm
 
 P, N, T, K = 3, 4, 24, 5  # groups, strings per group, max_text_len, draft length
 start = jax.jit(gm.start)

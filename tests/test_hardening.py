@@ -35,7 +35,7 @@ from jaxspec import SamplingParams, SpecConfig
 from jaxspec.decode import OOV_DRAFT_PLACEHOLDER
 from jaxspec.proposers.base import ChainProposer, Committed, Context, Draft
 from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.proposers.suffix_automaton import StaticSuffixAutomaton
+from jaxspec.proposers.index.suffix_automaton import StaticSuffixAutomaton
 from jaxspec.rejection import _ACCEPT_STREAM, rejection_sample
 from jaxspec.sampling import GREEDY_BELOW, process_logits, sample
 from jaxspec.shapes import bucket_shapes

@@ -368,8 +368,8 @@ class WrongDepth(ShapedProposer):
 @pytest.mark.parametrize("proposer,message", [
     (MutableProposer(), r"proposer=MutableProposer\(.*\) is not hashable.*frozen dataclass"),
     (ArrayHoldingProposer(table=jnp.arange(3)), r"proposer=ArrayHoldingProposer\(.*is not hashable.*proposer_params"),
-    (NoUpdate(), r"proposer=<.*NoUpdate.*> has no update"),
-    (Undeclared(), r"proposer=Undeclared\(.*\) does not declare needs_features, max_depth.*ChainProposer"),
+    (NoUpdate(), r"proposer=<.*NoUpdate.*> is not a jaxspec.proposers.base.Proposer"),
+    (Undeclared(), r"proposer=Undeclared\(.*\) is not a jaxspec.proposers.base.Proposer: inherit it.*ChainProposer"),
     (WrongDepth(), r"proposer.max_depth=4 must be an integer in \[0, num_speculative_tokens=3\]"),
     (None, r"method='custom' needs proposer="),
 ])

@@ -17,8 +17,8 @@ from flax import nnx
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.decode import NoProposer, decode_chunk, prefill
-from jaxspec.proposers.group_automaton import GroupAutomaton
-from jaxspec.proposers.group_match import GroupMatch
+from jaxspec.proposers.index.group_automaton import GroupAutomaton
+from jaxspec.proposers.index.group_match import GroupMatch
 from jaxspec.rollouts import TailPolicy, batch_buckets, sample_seeds
 from jaxspec.rollouts import inputs as rollout_inputs
 from jaxspec.rollouts.policy import DraftingOverhead, overhead_for
@@ -106,7 +106,7 @@ def test_group_sam_with_the_automaton_index_reproduces_the_plain_rollout(peaked_
 def test_group_sam_paths_draft_a_tree_and_reproduce_the_plain_rollout(peaked_lm, plain):
     """Two continuations per row that differ in their first token (a tree of 2 x 4 nodes): the plain tokens,
     drafts made and accepted, some of them on the second path."""
-    from jaxspec.proposers import group_match
+    from jaxspec.proposers.index import group_match
 
     seen = {"second": 0}
     draft_paths = group_match.draft_paths

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxspec import SpecConfig
-from jaxspec.config import SamplingParams
-from jaxspec.proposers import suffix_automaton as sa
-from jaxspec.proposers import suffix_match as sm
 from jaxspec.proposers.base import Committed, Context
+from jaxspec.proposers.index import suffix_automaton as sa
+from jaxspec.proposers.index import suffix_match as sm
+from jaxspec.proposers.index.suffix_automaton import StaticMatch, StaticSuffixAutomaton, SuffixAutomaton
 from jaxspec.proposers.sam import SamProposer
-from jaxspec.proposers.suffix_automaton import StaticMatch, StaticSuffixAutomaton, SuffixAutomaton
+from jaxspec.sampling_params import SamplingParams
 
 K = 5
 VOCAB = 49152
@@ -71,7 +71,7 @@ def trace_dynamic(tokens, lengths, max_text_len, capacity=()):
 
     def step(sam, j):
         sam = jax.vmap(sa.extend)(sam, tokens[:, j], j < lengths)
-        draft, match_len, available = jax.vmap(functools.partial(sa.dynamic_draft, k=K))(sam)
+        draft, match_len, available = jax.vmap(functools.partial(sa.draft, k=K))(sam)
         return sam, (draft, match_len, available, sam.full, sam.num_states)
 
     return jax.lax.scan(step, sam, jnp.arange(tokens.shape[1]))
@@ -141,8 +141,8 @@ def test_dynamic_matches_brute_force_hypothesis(data):
 def test_one_row_api_equals_batched():
     """The one-row functions (no vmap) and the batch functions build the same automaton."""
     t = np.random.default_rng(1).integers(0, 3, 60).tolist()
-    one = jax.jit(sa.build_dynamic, static_argnums=2)(jnp.asarray(t), len(t), 64)
-    many = jax.jit(sa.build_dynamic_batch, static_argnums=2)(*padded([t, t[:30]], 60), 64)
+    one = jax.jit(sa.build, static_argnums=2)(jnp.asarray(t), len(t), 64)
+    many = jax.jit(sa.build_batch, static_argnums=2)(*padded([t, t[:30]], 60), 64)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
         np.testing.assert_array_equal(a, b[0])
     ext = jax.jit(sa.extend)
@@ -151,7 +151,7 @@ def test_one_row_api_equals_batched():
         row = ext(row, c)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(row)):
         np.testing.assert_array_equal(a, b)
-    assert got(*sa.dynamic_draft(row, K)) == ref_dynamic(t)
+    assert got(*sa.draft(row, K)) == ref_dynamic(t)
 
 
 def host_lookup(slots, state, token):
@@ -198,7 +198,7 @@ def test_dynamic_invariants():
     rng = np.random.default_rng(2)
     texts = random_texts(rng, 5, 150) + [[4], [4, 4], [1, 2]]
     tokens, lengths = padded(texts, 150)
-    sam = sa.build_dynamic_batch(tokens, lengths, 160)
+    sam = sa.build_batch(tokens, lengths, 160)
     for b, t in enumerate(texts):
         check_automaton(t, np.asarray(sam.nodes[b]), np.asarray(sam.slots[b]), int(sam.num_states[b]))
         assert int(sam.num_edges[b]) == sum(len(d) for d in sa._host_sam(t)[3])
@@ -412,7 +412,7 @@ def trace_match(texts, prompt_lens, max_text_len, seed=0, width=K + 1, history_w
     batch = len(texts)
     history, _ = padded([t[:n] for t, n in zip(texts, prompt_lens)], history_width)
     index = jax.jit(sm.build_batch, static_argnums=2)(history, jnp.asarray(prompt_lens, jnp.int32), max_text_len)
-    append, draft = jax.jit(sm.append_batch), jax.jit(functools.partial(sm.draft_batch, k=K))
+    append, draft = jax.jit(sm.extend_many_batch), jax.jit(functools.partial(sm.draft_batch, k=K))
     held = np.asarray(prompt_lens)
     step = 0
     while True:
@@ -442,7 +442,7 @@ def test_match_index_matches_brute_force_after_every_append():
 
 
 _extend_many = jax.jit(sa.extend_many_batch)
-_automaton_draft = jax.jit(functools.partial(sa.dynamic_draft_batch, k=K))
+_automaton_draft = jax.jit(functools.partial(sa.draft_batch, k=K))
 
 
 @settings(max_examples=25, deadline=None)
@@ -456,7 +456,7 @@ def test_match_index_equals_the_automaton_hypothesis(data):
     cap = data.draw(st.sampled_from([40, 96]))
     seed = data.draw(st.integers(0, 2**16))
     history, _ = padded([t[:n] for t, n in zip(texts, prompt_lens)], 96)
-    automaton = jax.jit(sa.build_dynamic_batch, static_argnums=2)(history, jnp.asarray(prompt_lens, jnp.int32), cap)
+    automaton = jax.jit(sa.build_batch, static_argnums=2)(history, jnp.asarray(prompt_lens, jnp.int32), cap)
     previous = np.asarray(prompt_lens)
     for _, held, (tokens, match_len, available) in trace_match(texts, prompt_lens, cap, seed=seed):
         num = held - previous
@@ -499,7 +499,7 @@ def test_sam_index_choice_and_bad_values():
 @pytest.mark.parametrize("index", ["auto", "match", "automaton"])
 def test_spec_config_sam_index_reaches_the_proposer(tiny_lm, index):
     """SpecConfig(sam_index=...) builds the proposer with that index, whose state is of the matching type."""
-    from jaxspec.methods import build_proposer
+    from jaxspec.builders import build_proposer
 
     spec = SpecConfig(method="sam", sam_index=index)
     proposer, _ = build_proposer(tiny_lm, spec, prompt_width=32, buffer_len=32, cache_len=64)

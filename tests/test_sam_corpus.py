@@ -12,10 +12,9 @@ import pytest
 
 import jaxspec
 from jaxspec import SpecConfig, StaticSuffixAutomaton
-from jaxspec.methods import build_proposer, sam_source_for, shipped_static_sam
+from jaxspec.builders import build_proposer, sam_source_for, shipped_static_sam
 from jaxspec.models.corpus import CORPUS_SUFFIX, load_corpus, save_corpus, shipped_corpus_path
 from jaxspec.models.heads import WEIGHTS_DIR
-from jaxspec.proposers.base import drafts_from_corpus
 from jaxspec.train import sam_corpus
 from jaxspec.train.prompts import humaneval_split
 
@@ -76,10 +75,10 @@ def test_sam_drafts_from_the_rows_own_text_by_default_and_from_a_corpus_given_or
     assert sam_source_for(tiny_lm, SpecConfig(method="sam", static_sam=corpus)) == "both"
     assert sam_source_for(tiny_lm, SpecConfig(method="sam", sam_source="static", static_sam=corpus)) == "static"
     proposer, params = build_proposer(tiny_lm, SpecConfig(method="sam"), prompt_width=8, buffer_len=8, cache_len=16)
-    assert proposer.source == "dynamic" and params is None and not drafts_from_corpus(proposer)
+    assert proposer.source == "dynamic" and params is None and not proposer.uses_corpus
     proposer, params = build_proposer(tiny_lm, SpecConfig(method="sam", static_sam=corpus), prompt_width=8,
                                       buffer_len=8, cache_len=16)
-    assert proposer.source == "both" and params is corpus and drafts_from_corpus(proposer)
+    assert proposer.source == "both" and params is corpus and proposer.uses_corpus
     named = SimpleNamespace(name="smollm2-135m")  # a model with a shipped corpus
     for backend in ("cpu", "gpu", "tpu"):
         monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)

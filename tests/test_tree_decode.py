@@ -19,7 +19,7 @@ from flax import nnx
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.models.heads import Readout, eagle3_layers
-from jaxspec.proposers.base import Committed, Context, Draft
+from jaxspec.proposers.base import Committed, Context, Draft, Proposer
 from jaxspec.proposers.eagle import EagleProposer
 from jaxspec.shapes import bucket_shapes
 from jaxspec.tree import TreeTopology
@@ -30,7 +30,7 @@ TOPOLOGY = TreeTopology.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleTreeProposer:
+class OracleTreeProposer(Proposer):
     """Drafts a tree whose nodes are right or wrong by their rank: the true next tokens (params: the known
     continuation i32[B, R]) sit at rank `right_rank[depth - 1]`, a wrong token (+1 mod V) elsewhere."""
 
@@ -38,8 +38,6 @@ class OracleTreeProposer:
     topology: TreeTopology
     right_rank: tuple[int, ...]
     vocab: int
-    needs_features = False  # drafts from the known continuation, not the target's hidden states
-
     @property
     def max_depth(self) -> int:
         return self.topology.max_depth

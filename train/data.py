@@ -36,9 +36,9 @@ from tqdm import tqdm
 
 import jaxspec
 from jaxspec import SamplingParams
-from jaxspec.decode import layer_request
 from jaxspec.generation import normalise_prompts
 from jaxspec.models.loading import LanguageModel
+from jaxspec.verification import layer_request
 
 from .prompts import humaneval_split, stdlib_prompts  # noqa: F401  (humaneval_split: the benchmark imports it here)
 

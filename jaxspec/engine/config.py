@@ -7,10 +7,10 @@ import dataclasses
 
 import jax
 
-from ..config import SpecConfig
 from ..constraints.limits import ConstraintLimits
 from ..methods import METHODS, names
 from ..shapes import BUCKET_MIN, widths_for_long_drafts
+from ..spec_config import SpecConfig
 
 # Methods whose rows may share one batch with any other such method (`jaxspec.methods.Method.shares_batch`).
 SHARED_BATCH_METHODS = tuple(m for m in names(served=True) if METHODS[m].shares_batch)  # none, ngram, sam

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..config import InvalidSetting, SamplingParams
-from ..decode import mean_acceptance_length
+from ..constraints import Choice, JsonSchema, Regex, TokenAutomaton, compile_constraint
+from ..constraints.stack import used_size
 from ..limits import check_prompt, stop_ids
 from ..logprobs import TokenLogprob
+from ..sampling_params import InvalidSetting, SamplingParams
+from ..state import mean_acceptance_length
 from .config import EngineConfig
 
 MAX_STOP_IDS = 8  # stop-id slots per row, the model's EOS ids included: one table shape for every batch
@@ -66,7 +68,7 @@ class RequestStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens committed per step (`jaxspec.decode.mean_acceptance_length`)."""
+        """Tokens committed per step (`jaxspec.state.mean_acceptance_length`)."""
         return mean_acceptance_length(self.committed, self.steps)
 
 
@@ -165,8 +167,6 @@ def compiled_constraint(constraint, config: EngineConfig, tokenizer, vocab_size:
     """The request's constraint as a TokenAutomaton (compiled once per spec and tokenizer, within
     config.constraint_limits), or None; raises InvalidRequest("constraint", ...) for one the engine cannot serve:
     beyond its limits, or needing more than the batch's constraint capacity alone."""
-    from ..constraints import Choice, JsonSchema, Regex, TokenAutomaton, compile_constraint
-
     if constraint is None:
         return None
     if not config.constraints:
@@ -190,8 +190,6 @@ def compiled_constraint(constraint, config: EngineConfig, tokenizer, vocab_size:
 
 def fits(automata, config: EngineConfig) -> bool:
     """Whether the distinct automata of `automata` (None entries free) fit the batch's constraint capacity."""
-    from ..constraints.stack import used_size
-
     states, edges = used_size(automata)
     return states <= config.constraint_states and edges <= config.constraint_edges
 

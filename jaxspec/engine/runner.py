@@ -23,21 +23,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import sharding
-from ..config import SamplingParams, SpecConfig
+from ..builders import build_proposer
 from ..constrained import ConstraintRows, ForcedTokenProposer
 from ..constraints import FREE, stack
 from ..constraints.tables import check_key_range
-from ..decode import DecodeState, RowLimits, SpecCounters, decode_chunk, pinned, prefill
+from ..decode import decode_chunk, pinned, prefill
 from ..generation import default_attention_impl
 from ..limits import stop_table
 from ..logprobs import TokenLogprob, to_host, window
-from ..methods import build_proposer
 from ..models.loading import LanguageModel
 from ..predicted import RESYNC_MIN_MATCH, RESYNC_NGRAM
 from ..proposers.base import BatchShared
 from ..proposers.mixed import MixedParams, MixedProposer, MixedState
 from ..proposers.prediction import PredictionProposer, PredictionState, pad_predictions, with_prediction
+from ..sampling_params import SamplingParams
 from ..shapes import BUCKET_MIN, prompt_bucket
+from ..spec_config import SpecConfig
+from ..state import DecodeState, RowLimits, SpecCounters
 from . import slots
 from .config import EngineConfig
 from .request import MAX_STOP_IDS, LiveRequest, Request, compiled_constraint

@@ -29,10 +29,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from ..config import SamplingParams
-from ..decode import DecodeState, RowLimits
 from ..limits import stop_table
 from ..proposers.base import BatchShared
+from ..sampling_params import SamplingParams
+from ..state import DecodeState, RowLimits
 
 
 def _map_rows(fn, *states):

@@ -1,0 +1,1 @@
+"""Kernels beside XLA's own: the Pallas verification attention (`verify_attention`) and the CPU matmul (`cpu`)."""

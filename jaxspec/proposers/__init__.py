@@ -1,16 +1,17 @@
 """Proposers: pure functions that draft tokens for the target to verify (see base.Proposer)."""
 
-from .base import Committed, Context, Draft, Proposer
+from .base import ChainProposer, Committed, Context, Draft, Proposer
 from .draft_model import DraftModelProposer, self_draft_model
 from .eagle import EagleProposer, EagleState
+from .index.suffix_automaton import StaticSuffixAutomaton, SuffixAutomaton
+from .index.suffix_match import SuffixMatch
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
 from .prediction import PredictionProposer, PredictionState, with_prediction
 from .sam import SamProposer
-from .suffix_automaton import StaticSuffixAutomaton, SuffixAutomaton
-from .suffix_match import SuffixMatch
 
 __all__ = [
+    "ChainProposer",
     "Committed",
     "Context",
     "Draft",

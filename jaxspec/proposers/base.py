@@ -13,13 +13,14 @@ The loop calls, per generation run:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+import abc
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from ..config import SamplingParams
+from ..sampling_params import SamplingParams
 
 PState = Any  # a proposer's per-row state pytree
 
@@ -86,39 +87,50 @@ class Committed:
     features: jax.Array | None = None
 
 
-class Proposer(Protocol):
+class Proposer(abc.ABC):
     """The contract every proposer follows: static settings on the object, three pure jittable functions.
 
-    A custom proposer (`SpecConfig(method="custom", proposer=...)`) is checked at the boundary: `SpecConfig`
-    raises ValueError when it lacks an attribute or function below or is not hashable (make it a frozen
-    dataclass), and `jaxspec.prepare` / `generate` trace `propose` once (`jax.eval_shape`) and raise ValueError
+    Every proposer inherits this class (a chain proposer `ChainProposer`), beside
+    `@dataclasses.dataclass(frozen=True)`. A custom one (`SpecConfig(method="custom", proposer=...)`) is checked
+    at the boundary: `SpecConfig` raises ValueError when it is not a Proposer, does not declare `max_depth` or is
+    not hashable, and `jaxspec.prepare` / `generate` trace `propose` once (`jax.eval_shape`) and raise ValueError
     naming any Draft field of the wrong shape: tokens [B, K] int, num_draft [B] int, probs None or [B, K, V],
-    parents None or [B, K], confidence None or [B, K]. A proposer drafting chains from tokens alone can inherit
-    `ChainProposer` for the two declarations.
+    parents None or [B, K], confidence None or [B, K].
+
+    The declarations below the budget have defaults here, so the loop reads them as plain attributes; a
+    proposer overrides those that differ (a class attribute, a dataclass field or a property).
     """
 
     num_speculative_tokens: int  # K, the static draft budget per step (tree proposers: non-root nodes)
     # Whether the loop hands the proposer the target's hidden states (Context.features at init,
     # Committed.features at update): heads draft from them; other proposers save the loop carrying them.
-    # A proposer may also declare `feature_layers: tuple[int, ...]`, decoder layers whose outputs it reads
-    # concatenated instead of the final hidden state (EAGLE-3; `jaxspec.decode.feature_layers`).
-    needs_features: bool
-    # The most drafts one step can accept: K for a chain, the depth for a tree. It sizes tree verification.
-    max_depth: int
-    # Optional: a tree proposer declares `ranks_nodes = True` when it returns its nodes best first with their
-    # `Draft.confidence`, so a cost-aware loop may score only the best of them (`ranks_tree_nodes`).
+    needs_features: ClassVar[bool] = False
+    # With needs_features: the decoder layers whose outputs the proposer reads, concatenated (EAGLE-3); () the
+    # target's final hidden state (`jaxspec.verification.feature_layers`).
+    feature_layers: ClassVar[tuple[int, ...]] = ()
+    # Whether it drafts from a static corpus, whose long matches are weaker evidence than a row's own text: its
+    # widths are then chosen by cost at one row too (`SpecConfig.cost_aware_at`).
+    uses_corpus: ClassVar[bool] = False
+    # Whether it returns a tree's nodes best first with their `Draft.confidence`, so a cost-aware loop may score
+    # only the best of them (`jaxspec.cost.choose_tree_width`).
+    ranks_nodes: ClassVar[bool] = False
 
+    @property
+    @abc.abstractmethod
+    def max_depth(self) -> int:
+        """The most drafts one step can accept: K for a chain, the depth for a tree. It sizes tree verification."""
+
+    @abc.abstractmethod
     def init(self, params: Any, ctx: Context) -> PState:
         """The per-row state after prefill (ctx holds each row's prompt and first generated token)."""
-        ...
 
+    @abc.abstractmethod
     def propose(self, params: Any, pstate: PState, ctx: Context, keys: jax.Array) -> tuple[Draft, PState]:
         """(Draft, state) for this step; keys: one PRNG key per row [B] for sampled drafts."""
-        ...
 
+    @abc.abstractmethod
     def update(self, params: Any, pstate: PState, ctx: Context, committed: Committed) -> PState:
         """The state after verification committed `committed` (ctx already holds those tokens)."""
-        ...
 
 
 def drafts_chains(proposer: Proposer) -> bool:
@@ -127,24 +139,9 @@ def drafts_chains(proposer: Proposer) -> bool:
     return proposer.max_depth == proposer.num_speculative_tokens
 
 
-def drafts_from_corpus(proposer: Proposer) -> bool:
-    """Whether `proposer` drafts from a static corpus (declared as `uses_corpus`): its long matches are weaker
-    evidence than a row's own text, so its widths are chosen by cost at one row too (`SpecConfig.cost_aware_at`)."""
-    return bool(getattr(proposer, "uses_corpus", False))
-
-
-def ranks_tree_nodes(proposer: Proposer) -> bool:
-    """Whether `proposer` drafts trees best node first with each node's confidence (`Draft.confidence`), so a
-    narrower verify forward can score the best part of its tree (declared as `ranks_nodes`)."""
-    return bool(getattr(proposer, "ranks_nodes", False))
-
-
-class ChainProposer:
-    """The declarations of a proposer that drafts chains from tokens alone (n-gram, suffix automaton, a draft
-    model): it reads no hidden states, and one step can accept all K of its drafts. Inherit it beside
-    `@dataclasses.dataclass(frozen=True)`."""
-
-    needs_features: ClassVar[bool] = False
+class ChainProposer(Proposer):
+    """A proposer that drafts chains from tokens alone (n-gram, suffix automaton, a draft model): it reads no
+    hidden states, and one step can accept all K of its drafts."""
 
     @property
     def max_depth(self) -> int:

@@ -45,10 +45,9 @@ import numpy as np
 from flax import nnx
 
 from ..cache import KVCache
-from ..config import dynamic_tree_nodes
 from ..sampling import processed_probs, sample
-from ..tree import TreeTopology, select_nodes
-from .base import Committed, Context, Draft
+from ..tree import TreeTopology, dynamic_tree_nodes, select_nodes
+from .base import Committed, Context, Draft, Proposer
 
 
 @flax.struct.dataclass
@@ -65,7 +64,7 @@ def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleProposer:
+class EagleProposer(Proposer):
     """The EAGLE head drafting a chain, a static tree (EAGLE-1) or a dynamic tree (EAGLE-2)."""
 
     num_speculative_tokens: int  # chain: drafts per step; tree: nodes kept for verification

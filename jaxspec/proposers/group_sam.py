@@ -34,10 +34,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from ..config import SAM_INDEXES
-from . import group_automaton as ga_lib
-from . import group_match as gm_lib
 from .base import BatchShared, ChainProposer, Committed, Context, Draft, lookup_draft_count
+from .index import group_automaton as ga_lib
+from .index import group_match as gm_lib
+from .sam import SAM_INDEXES
 
 
 @flax.struct.dataclass

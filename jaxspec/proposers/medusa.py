@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..tree import TreeTopology, tokens_from_topk
-from .base import Committed, Context, Draft
+from .base import Committed, Context, Draft, Proposer
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaProposer:
+class MedusaProposer(Proposer):
     """Medusa heads drafting a static tree (`SpecConfig(method="medusa")`)."""
 
     num_speculative_tokens: int  # non-root nodes of the tree

@@ -41,7 +41,7 @@ class MixedState:
 
 
 @dataclasses.dataclass(frozen=True)
-class MixedProposer:
+class MixedProposer(Proposer):
     proposers: tuple[Proposer, ...]  # all with the same K; a row's choice indexes this tuple
     num_speculative_tokens: int
 
@@ -62,8 +62,8 @@ class MixedProposer:
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        """The head member's (`jaxspec.decode.feature_layers`): which of the target's layers it reads."""
-        return next((tuple(getattr(p, "feature_layers", ())) for p in self.proposers if p.needs_features), ())
+        """The head member's (`jaxspec.verification.feature_layers`): which of the target's layers it reads."""
+        return next((tuple(p.feature_layers) for p in self.proposers if p.needs_features), ())
 
     @property
     def max_depth(self) -> int:

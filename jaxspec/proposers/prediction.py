@@ -116,21 +116,17 @@ class PredictionProposer(ChainProposer):
         inner = self.inner
         if inner is None:
             return
-        missing = [name for name in ("init", "propose", "update") if not callable(getattr(inner, name, None))]
-        if missing:
-            raise ValueError(f"inner={inner!r} has no {', '.join(missing)}: it must be a Proposer")
-        inner_k = getattr(inner, "num_speculative_tokens", None)
+        if not isinstance(inner, Proposer):
+            raise ValueError(f"inner={inner!r} is not a Proposer (jaxspec.proposers.base.Proposer)")
+        inner_k = inner.num_speculative_tokens
         if isinstance(inner_k, bool) or not isinstance(inner_k, int) or not 0 <= inner_k <= k:
             raise ValueError(f"inner has num_speculative_tokens={inner_k!r}; it must be an integer in [0, {k}] "
                              f"(this proposer's num_speculative_tokens): its drafts are padded to K")
-        if not isinstance(getattr(inner, "needs_features", None), bool):
-            raise ValueError(f"inner={type(inner).__name__} does not declare needs_features (True or False); a chain "
-                             "proposer can inherit jaxspec.proposers.base.ChainProposer")
         if inner.needs_features:
             raise ValueError(f"inner={type(inner).__name__} reads the target's features; the inner proposer must "
                              "draft from tokens alone (a chain proposer such as NgramProposer or SamProposer)")
-        if getattr(inner, "max_depth", None) != inner_k:
-            raise ValueError(f"inner has max_depth={getattr(inner, 'max_depth', None)!r}: it must draft chains "
+        if inner.max_depth != inner_k:
+            raise ValueError(f"inner has max_depth={inner.max_depth!r}: it must draft chains "
                              f"(max_depth == its num_speculative_tokens={inner_k}), not trees")
 
     def init(self, params, ctx: Context) -> PredictionState:

@@ -26,18 +26,22 @@ two >= 6T (335 KB for T = 2048). A row whose text outgrows T stops drafting from
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from ..config import SAM_INDEXES
-from . import suffix_automaton as sam_lib
-from . import suffix_match
 from .base import ChainProposer, Committed, Context, Draft, lookup_draft_count
-from .suffix_automaton import StaticMatch, StaticSuffixAutomaton, SuffixAutomaton
-from .suffix_match import SuffixMatch
+from .index import suffix_automaton as sam_lib
+from .index import suffix_match
+from .index.suffix_automaton import StaticMatch, StaticSuffixAutomaton, SuffixAutomaton
+from .index.suffix_match import SuffixMatch
 
+# How a row's own text is searched: "match" compares tokens (`suffix_match`), "automaton" walks a suffix
+# automaton (`suffix_automaton`), "auto" chooses by platform and text length (`SamProposer._match`).
+SamIndex = Literal["auto", "match", "automaton"]
+SAM_INDEXES = get_args(SamIndex)
 MATCH_MAX_TEXT_LEN = 4096  # index "auto" on a CPU: the match-length array up to this capacity, the automaton past it
 
 
@@ -77,7 +81,7 @@ class SamProposer(ChainProposer):
 
     @property
     def uses_corpus(self) -> bool:
-        """Drafts from a static corpus (`jaxspec.proposers.base.drafts_from_corpus`)."""
+        """Drafts from a static corpus (`jaxspec.proposers.base.Proposer.uses_corpus`)."""
         return self._static
 
     @property
@@ -98,8 +102,8 @@ class SamProposer(ChainProposer):
         batch = ctx.history.shape[0]
         dynamic = static = None
         if self._dynamic:
-            build = suffix_match.build_batch if self.uses_match_index else sam_lib.build_dynamic_batch
-            dynamic = build(ctx.history, ctx.history_len, self.max_text_len)
+            index = suffix_match if self.uses_match_index else sam_lib
+            dynamic = index.build_batch(ctx.history, ctx.history_len, self.max_text_len)
         if self._static:
             static = sam_lib.static_feed_batch(params, StaticMatch.create(batch), ctx.history.astype(jnp.int32),
                                                ctx.history_len.astype(jnp.int32))
@@ -109,8 +113,7 @@ class SamProposer(ChainProposer):
         """The tokens after the longest earlier occurrence of each row's suffix, from the chosen source(s)."""
         k = self.num_speculative_tokens
         if self._dynamic:
-            draft = suffix_match.draft_batch if isinstance(pstate.dynamic, SuffixMatch) else sam_lib.dynamic_draft_batch
-            tokens, match_len, available = draft(pstate.dynamic, k)
+            tokens, match_len, available = _index_of(pstate.dynamic).draft_batch(pstate.dynamic, k)
         if self._static:
             s_tokens, s_match, s_available = sam_lib.static_draft_batch(params, pstate.static, k)
             if self._dynamic:
@@ -129,8 +132,12 @@ class SamProposer(ChainProposer):
         tokens, num = committed.tokens.astype(jnp.int32), committed.num.astype(jnp.int32)
         dynamic, static = pstate.dynamic, pstate.static
         if self._dynamic:
-            extend = suffix_match.append_batch if isinstance(dynamic, SuffixMatch) else sam_lib.extend_many_batch
-            dynamic = extend(dynamic, tokens, num)
+            dynamic = _index_of(dynamic).extend_many_batch(dynamic, tokens, num)
         if self._static:
             static = sam_lib.static_feed_batch(params, static, tokens, num)
         return SamState(dynamic=dynamic, static=static)
+
+
+def _index_of(dynamic: SuffixAutomaton | SuffixMatch):
+    """The module of the row index `dynamic` (`jaxspec.proposers.index`): both answer the same verbs."""
+    return suffix_match if isinstance(dynamic, SuffixMatch) else sam_lib

@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import SamplingParams, SpecConfig, is_integer
 from ..generation import _stop_ids, available_memory, check_stop_strings, normalise_prompts, rows_bytes
 from ..limits import check_token_ids, is_token_list
 from ..models.loading import LanguageModel
 from ..proposers.group_sam import GroupReferences
+from ..sampling_params import SamplingParams
 from ..shapes import bucket_shapes, next_pow2
+from ..spec_config import SpecConfig
+from ..validation import is_integer
 
 LOGPROB_MODES = ("sampling", "raw")  # under the distribution sampled from, or the target's raw softmax
 MAX_ROWS = 2**31 - 1  # samples of one rollout: rows, seeds and positions are int32 on the device

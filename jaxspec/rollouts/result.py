@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from ..decode import mean_acceptance_length
+from ..state import mean_acceptance_length
 
 
 @dataclasses.dataclass(frozen=True)

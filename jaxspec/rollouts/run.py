@@ -30,15 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import cost, sharding
-from ..config import SamplingParams, SpecConfig
-from ..decode import DecodeState, NoProposer, RowLimits, decode_chunk, prefill
+from ..builders import build_proposer
+from ..decode import NoProposer, decode_chunk, prefill
 from ..engine import slots
 from ..generation import cut_at_stop_string, default_attention_impl
-from ..methods import build_proposer
 from ..models.loading import LanguageModel
 from ..penalties import any_penalty
 from ..proposers.group_sam import GroupSamProposer
+from ..sampling_params import SamplingParams
 from ..shapes import bucket_shapes
+from ..spec_config import SpecConfig
+from ..state import DecodeState, RowLimits
 from .inputs import RolloutInputs, check_memory, validate
 from .policy import MODES, TailPolicy, overhead_for
 from .result import ChunkRecord, RolloutResult, SampleRecord, timeline_stats

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..decode import mean_acceptance_length
 from ..engine import Engine
+from ..state import mean_acceptance_length
 
 if TYPE_CHECKING:
     from .choices import Choice
@@ -39,7 +39,7 @@ class _EngineCollector:
                                         m.requests_running / m.num_slots if m.num_slots else 0.0),
             "jaxspec_speculating": ("1 while the policy lets the current batch size speculate", int(m.speculating)),
             "jaxspec_spec_mean_acceptance_length": (
-                "Tokens committed per active row-step since start (jaxspec.decode.mean_acceptance_length)",
+                "Tokens committed per active row-step since start (jaxspec.state.mean_acceptance_length)",
                 mean_acceptance_length(m.committed, m.row_steps) if m.row_steps else 0.0),
         }
         for name, (doc, value) in gauges.items():

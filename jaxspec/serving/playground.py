@@ -35,8 +35,8 @@ from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..config import SamplingParams
 from ..engine import Engine, EngineStopped, InvalidRequest, Output, QueueFull, Request
+from ..sampling_params import SamplingParams
 from ..text import Detokenizer
 from .bodies import read_request
 from .errors import invalid_request, refused

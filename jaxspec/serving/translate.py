@@ -19,11 +19,11 @@ import secrets
 import threading
 from concurrent.futures import Executor
 
-from ..config import InvalidSetting, SamplingParams
 from ..constraints import JsonSchema, compile_constraint
 from ..constraints.compiler import CompilerBusy
 from ..constraints.limits import shown
 from ..engine import Engine, InvalidRequest, Request
+from ..sampling_params import InvalidSetting, SamplingParams
 from .bodies import OFF_LOOP_BYTES
 from .errors import invalid_request
 from .protocol import ChatMessage, RequestError, ResponseFormat

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections import Counter
 
-from jaxspec.decode import mean_acceptance_length
+from jaxspec.state import mean_acceptance_length
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import numpy as np
 
 import jaxspec
 from jaxspec import SamplingParams
-from jaxspec.methods import build_proposer
+from jaxspec.builders import build_proposer
 from jaxspec.proposers.base import Committed, Context
 from jaxspec.sampling import row_keys
 

@@ -14,7 +14,7 @@ State per row (a batch has a leading axis B on every field):
   text_len i32, full bool (the text outgrew T: the row stops following it and drafts nothing)
 
 The longest suffix of the text that also ends earlier has length max(run), and its first occurrence ends at the
-first i attaining it: the same draft as the automaton's (`dynamic_draft_batch`), which the tests check on random
+first i attaining it: the same draft as the automaton's (`draft_batch`), which the tests check on random
 texts. Appending m tokens (text' = text + c, n' = n + m) is closed-form: for i < n' - 1,
     run'[i] = the number of leading j < m with text'[i - j] == text'[n' - 1 - j]      (a mismatch within the m)
     run'[i] = m + run[i - m]                                                          (all m match)
@@ -53,7 +53,7 @@ class SuffixMatch:
                    text_len=jnp.zeros((batch,), jnp.int32), full=jnp.zeros((batch,), bool))
 
 
-def append_batch(index: SuffixMatch, tokens: jax.Array, num: jax.Array) -> SuffixMatch:
+def extend_many_batch(index: SuffixMatch, tokens: jax.Array, num: jax.Array) -> SuffixMatch:
     """Append tokens[b, :num[b]] to row b (tokens i32[B, L], num i32[B]); a row whose text would outgrow its
     capacity is marked `full` instead."""
     text, run, n = index.text, index.run, index.text_len
@@ -91,7 +91,7 @@ def build_batch(history: jax.Array, length: jax.Array, max_text_len: int) -> Suf
 
     def body(c, index):
         piece = jax.lax.dynamic_slice_in_dim(history, c * BUILD_CHUNK, BUILD_CHUNK, axis=1)
-        return append_batch(index, piece, jnp.clip(length - c * BUILD_CHUNK, 0, BUILD_CHUNK))
+        return extend_many_batch(index, piece, jnp.clip(length - c * BUILD_CHUNK, 0, BUILD_CHUNK))
 
     return jax.lax.fori_loop(0, chunks, body, SuffixMatch.create(batch, max_text_len))
 

@@ -31,7 +31,7 @@ Batching. The extension loops run as `lax.while_loop`s whose trip count depends 
 a loop runs the body for every row and then selects each loop-carried array row by row, which copies the whole
 table at every iteration (over an order of magnitude slower). So the implementation is written for a batch of rows
 explicitly (the `*_batch` functions): each loop runs while any row has work, and idle rows write nothing. The
-one-row functions (`extend`, `extend_many`, `build_dynamic`, `dynamic_draft`, `static_feed`, `static_step`,
+one-row functions (`extend`, `extend_many`, `build`, `draft`, `static_feed`, `static_step`,
 `static_draft`) are `custom_vmap` wrappers: called on one row they run the batch code with B = 1, and under
 `jax.vmap` they run it once on the whole batch.
 
@@ -313,13 +313,13 @@ def extend_many_batch(sam: SuffixAutomaton, tokens: jax.Array, num: jax.Array) -
                               (jnp.int32(0), sam))[1]
 
 
-def build_dynamic_batch(history: jax.Array, length: jax.Array, max_text_len: int, **capacity) -> SuffixAutomaton:
+def build_batch(history: jax.Array, length: jax.Array, max_text_len: int, **capacity) -> SuffixAutomaton:
     """Each row's automaton of history[b, :length[b]] (history i32[B, H]); `capacity` as in `create`."""
     empty = SuffixAutomaton.create(max_text_len, batch=history.shape[0], **capacity)
     return extend_many_batch(empty, history.astype(jnp.int32), length.astype(jnp.int32))
 
 
-def dynamic_draft_batch(sam: SuffixAutomaton, k: int):
+def draft_batch(sam: SuffixAutomaton, k: int):
     """(tokens i32[B, k], match_len i32[B], available i32[B]) from the longest suffix that occurred before."""
     batch = sam.nodes.shape[0]
     rows = jnp.arange(batch, dtype=jnp.int32)
@@ -344,15 +344,15 @@ def extend_many(sam: SuffixAutomaton, tokens, num) -> SuffixAutomaton:
     return _rowwise(extend_many_batch)(sam, jnp.asarray(tokens, jnp.int32), jnp.asarray(num, jnp.int32))
 
 
-def build_dynamic(history, length, max_text_len: int, **capacity) -> SuffixAutomaton:
+def build(history, length, max_text_len: int, **capacity) -> SuffixAutomaton:
     """A row's automaton of history[:length] (history i32[H]); `capacity` as in `SuffixAutomaton.create`."""
     return extend_many(SuffixAutomaton.create(max_text_len, **capacity), history, length)
 
 
-def dynamic_draft(sam: SuffixAutomaton, k: int):
+def draft(sam: SuffixAutomaton, k: int):
     """(tokens i32[k], match_len, available): the k tokens that followed the first occurrence of the longest suffix
     of the text that also ends earlier; `available` of them are real (the rest repeat the text's last token)."""
-    return _rowwise(functools.partial(dynamic_draft_batch, k=k))(sam)
+    return _rowwise(functools.partial(draft_batch, k=k))(sam)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -555,5 +555,5 @@ def static_step(ssam: StaticSuffixAutomaton, match: StaticMatch, token) -> Stati
 
 
 def static_draft(ssam: StaticSuffixAutomaton, match: StaticMatch, k: int):
-    """(tokens i32[k], match_len, available), as `dynamic_draft` but from the corpus."""
+    """(tokens i32[k], match_len, available), as `draft` but from the corpus."""
     return _rowwise(functools.partial(static_draft_batch, k=k), num_shared=1)(ssam, match)
