@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import constrained, cost, sharding
+from . import cost, sharding
 from . import logprobs as lp
+from .constraints import rows as constraint_rows
 from .penalties import TokenCounts, penalize_scored
 from .proposers.base import ChainProposer, Committed, Context, Draft, Proposer
 from .sampling import row_keys, sample
@@ -72,7 +73,7 @@ def _context(state: DecodeState, sampling: SamplingParams, limits: RowLimits, k:
                                              "group_size", "track_counts"))
 def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams,
             limits: RowLimits, proposer_params=None, logprob_rows: jax.Array | None = None,
-            logprobs_processed: jax.Array | None = None, constraint: constrained.ConstraintRows | None = None, *,
+            logprobs_processed: jax.Array | None = None, constraint: constraint_rows.ConstraintRows | None = None, *,
             proposer: Proposer = NoProposer(), cache_len: int,
             buffer_len: int, num_top_logprobs: int = 0, group_size: int = 1,
             track_counts: bool = False) -> DecodeState:
@@ -88,7 +89,7 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     target's raw distribution, or, for rows marked in `logprobs_processed` (bool[B]), under the distribution the
     row samples from (after penalties, temperature, top-k, top-p, min-p).
 
-    With `constraint` (one state per row, `jaxspec.constrained`) each row decodes under its constraint: the
+    With `constraint` (one state per row, `jaxspec.constraints.rows`) each row decodes under its constraint: the
     first token is drawn from the masked distribution and every later position is masked the same way.
 
     With `track_counts` the state counts each row's prompt and output tokens, and every row's presence,
@@ -116,12 +117,12 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
     # The first token's position has seen the prompt and no output.
     no_drafts = jnp.zeros((batch, 1), jnp.int32)
     adjusted = penalize_scored(logits, counts, no_drafts, None, sampling)  # f32[B, 1, V]
-    adjusted = constrained.constrain_scored(adjusted, constraint, no_drafts, None, limits.stop_ids)
+    adjusted = constraint_rows.constrain_scored(adjusted, constraint, no_drafts, None, limits.stop_ids)
     first = sample(row_keys(sampling.seed, cache.lengths), adjusted[:, 0], sampling)
     one = jnp.ones((batch,), jnp.int32)
     if counts is not None:
         counts = counts.add(first[:, None], one)
-    constraint = constrained.commit(constraint, first[:, None], one)
+    constraint = constraint_rows.commit(constraint, first[:, None], one)
     history = jnp.zeros((batch, width + buffer_len), jnp.int32).at[:, :width].set(prompts)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
     done = _is_stop(first, limits) | (limits.max_new_tokens <= 1)
@@ -235,7 +236,7 @@ def commit(state: DecodeState, verified: Verified, limits: RowLimits) -> tuple[D
         done=state.done | (active & finished),
         steps=state.steps + 1,
         counts=None if state.counts is None else state.counts.add(verified.tokens, keep),
-        constraint=constrained.commit(state.constraint, verified.tokens, keep),
+        constraint=constraint_rows.commit(state.constraint, verified.tokens, keep),
         logprobs=None if verified.logprobs is None else lp.write(state.logprobs, slots, verified.logprobs))
     return new, keep, accepted
 

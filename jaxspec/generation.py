@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import constrained, cost, predicted, sharding
+from . import cost, predicted, sharding
 from .builders import build_proposer
 from .cache import kv_bytes_per_slot
+from .constraints import rows as constraint_rows
 from .decode import decode, prefill, propose_once
 from .limits import check_prompt, eos_ids, is_token_list, stop_ids, stop_table
 from .logprobs import TokenLogprob, to_host
@@ -322,7 +323,7 @@ class _Request:
     logprobs: int | None
     attention_impl: str
     predictions: predicted.Predictions | None = None
-    constraint: constrained.ConstraintRows | None = None
+    constraint: constraint_rows.ConstraintRows | None = None
     stop: tuple[tuple[str, ...], ...] | None = None  # per row, the stop strings (None: none anywhere)
 
 
@@ -355,7 +356,7 @@ def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, samp
     return _Request(ids=ids, sampling=rows, stop_table=stop_table, spec=spec, max_new_tokens=max_new_tokens,
                     logprobs=logprobs, attention_impl=attention_impl,
                     predictions=predicted.normalise(lm, prediction, len(ids), lm.config.vocab_size),
-                    constraint=constrained.rows_for(lm, constraint, len(ids)),
+                    constraint=constraint_rows.rows_for(lm, constraint, len(ids)),
                     stop=check_stop_strings(lm, stop, len(ids)))
 
 
@@ -395,7 +396,7 @@ class Prepared:
     # generate's prediction=: install them after prefill (`predicted.install`); the proposer drafts from them
     predictions: predicted.Predictions | None = None
     # generate's constraint=: each row's automaton state and the batch's automata, for `prefill(constraint=)`
-    constraint: constrained.ConstraintRows | None = None
+    constraint: constraint_rows.ConstraintRows | None = None
 
     @property
     def batch_size(self) -> int:
@@ -479,10 +480,10 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     if req.predictions is not None:
         proposer = predicted.wrap(proposer, req.spec, req.predictions)
     if req.constraint is not None:
-        proposer = constrained.wrap(proposer, forced_token_budget(req.spec))
+        proposer = constraint_rows.wrap(proposer, forced_token_budget(req.spec))
     if proposer.num_speculative_tokens > req.spec.num_speculative_tokens:
         widths = widths_for_long_drafts(widths, proposer.num_speculative_tokens)
-    if isinstance(proposer, constrained.ForcedTokenProposer):
+    if isinstance(proposer, constraint_rows.ForcedTokenProposer):
         widths = widths_for_forced_text(widths, proposer.num_speculative_tokens)
     verify_cost = None
     # Chains, and trees drafted best node first; the loop would ignore another tree's table.

@@ -126,5 +126,5 @@ def forced_token_budget(spec) -> int:
     """How many tokens a constrained row of `spec`'s method may draft a step where its constraint forces them:
     `spec.forced_tokens` for the methods that draft deterministic chains or nothing (none, ngram, sam;
     predictions on top of them), 0 for the others (heads, draft models, custom), whose rows are still masked but
-    draft no forced tokens (`jaxspec.constrained.wrap`)."""
+    draft no forced tokens (`jaxspec.constraints.rows.wrap`)."""
     return spec.forced_tokens if get(spec.method).kind in ("plain", "lookup") else 0

@@ -10,9 +10,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from . import constrained
 from . import logprobs as lp
 from .cache import KVCache
+from .constraints import rows as constraint_rows
 from .penalties import TokenCounts
 
 
@@ -95,7 +95,7 @@ class DecodeState:
     # each row's token counts, when the batch tracks them for penalties (`prefill(track_counts=True)`)
     counts: TokenCounts | None = None
     # each row's constraint state and the batch's automata, when some row decodes under a constraint
-    constraint: constrained.ConstraintRows | None = None
+    constraint: constraint_rows.ConstraintRows | None = None
 
     @property
     def num_generated(self) -> jax.Array:

@@ -15,9 +15,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from . import constrained
 from . import logprobs as lp
 from .cache import KVCache, write_new
+from .constraints import rows as constraint_rows
 from .penalties import penalize_scored
 from .proposers.base import Draft, Proposer
 from .rejection import rejection_sample
@@ -137,7 +137,7 @@ def _score_chain(scoring: Scoring, width: int, state: DecodeState, drafts: Draft
     positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
     out, written = _forward(scoring, fed, positions, cache, None)
     logits = penalize_scored(out.logits, state.counts, fed, None, sampling)  # f32[B, width, V]
-    logits = constrained.constrain_scored(logits, state.constraint, fed, None, limits.stop_ids)
+    logits = constraint_rows.constrain_scored(logits, state.constraint, fed, None, limits.stop_ids)
     probs = None if draft.probs is None else draft.probs[:, : width - 1]
     keys = jax.vmap(jax.random.key)(sampling.seed)
     # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
@@ -164,7 +164,7 @@ def _score_tree(scoring: Scoring, width: int, state: DecodeState, drafts: Drafts
     mask = tree_ancestor_mask(parents)  # bool[B, width, width]
     out, written = _forward(scoring, fed, cache.lengths[:, None] + depth, cache, mask)
     logits = penalize_scored(out.logits, state.counts, fed, mask, sampling)  # f32[B, width, V]
-    logits = constrained.constrain_scored(logits, state.constraint, fed, parents, limits.stop_ids)
+    logits = constraint_rows.constrain_scored(logits, state.constraint, fed, parents, limits.stop_ids)
     # Nodes past the row's node count, deeper than it may still emit, on a path through an out-of-vocabulary
     # token, or whose slot lies past the cache's end (its K/V dropped, `write_new`; a node's ancestors come
     # before it, so they fit wherever it does) are never accepted.

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import SamplingParams, SpecConfig, constrained
+from jaxspec import SamplingParams, SpecConfig
 from jaxspec.constraints import TokenAutomaton
+from jaxspec.constraints import rows as constraint_rows
 from test_speculative import OracleProposer, _reference
 from test_tree_decode import TOPOLOGY, OracleTreeProposer, _known
 
@@ -155,13 +156,13 @@ def test_sampled_constrained_output_follows_the_masked_distribution(tiny_lm, par
     assert all(_parity_ok(q) for q in speculative)
     assert tv(speculative, exact) < 0.08  # a correct sampler: ~0.04 at 2048 draws over 27 cells
 
-    original = constrained.constrain_scored
+    original = constraint_rows.constrain_scored
 
     def first_position_only(logits, rows, fed, parents, stop_ids):
         masked = original(logits, rows, fed, parents, stop_ids)
         return masked.at[:, 1:].set(logits[:, 1:])
 
-    monkeypatch.setattr(constrained, "constrain_scored", first_position_only)
+    monkeypatch.setattr(constraint_rows, "constrain_scored", first_position_only)
     jax.clear_caches()
     try:
         control = empirical()

@@ -4,7 +4,8 @@ A spec (`Regex`, `JsonSchema`, `Choice`) compiles, with outlines-core, to a `Tok
 vocabulary (`compile_constraint`, cached). The decode loop keeps one i32 state per row and calls pure, jittable
 functions on it: `allowed_mask` / `mask_logits` before sampling, `advance` / `states_along` / `advance_many`
 along drafts, `forced_token` to draft tokens the constraint leaves no choice about. `stack` merges the automata
-of a batch's rows (FREE for rows without a constraint) into one set of arrays.
+of a batch's rows (FREE for rows without a constraint) into one set of arrays. `jaxspec.constraints.rows` is
+the loop's side: each row's state, the masks at every verified position, and the forced-token proposer.
 
 outlines-core rather than llguidance or xgrammar: it gives the whole automaton up front, as explicit
 state -> token -> next-state maps, which become device arrays that a jitted loop indexes without the host.

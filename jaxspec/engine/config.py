@@ -39,7 +39,7 @@ class EngineConfig:
     # loop compiles the wider verify widths that takes.
     max_prediction_len: int = 0
     # Structured output: rows may decode under a constraint (`Request.constraint`); every row then carries an
-    # automaton state and the batch the stacked automata of its rows (`jaxspec.constrained`).
+    # automaton state and the batch the stacked automata of its rows (`jaxspec.constraints.rows`).
     constraints: bool = True
     # The batch's stacked automata take one fixed shape, so a new constraint never compiles a program: at most
     # this many states and (state, token) edges across the distinct automata of the live rows. A request whose

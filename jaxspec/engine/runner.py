@@ -24,8 +24,8 @@ import numpy as np
 
 from .. import sharding
 from ..builders import build_proposer
-from ..constrained import ConstraintRows, ForcedTokenProposer
 from ..constraints import FREE, stack
+from ..constraints.rows import ConstraintRows, ForcedTokenProposer
 from ..constraints.tables import check_key_range
 from ..decode import decode_chunk, pinned, prefill
 from ..generation import default_attention_impl

@@ -70,7 +70,7 @@ class Context:
     # `needs_features` (EAGLE, Medusa); [B, P, L*D] the outputs of the proposer's `feature_layers` side by side
     # when it declares some (EAGLE-3); None elsewhere.
     features: jax.Array | None = None
-    # each row's constraint state and the batch's automata (`jaxspec.constrained.ConstraintRows`) when rows
+    # each row's constraint state and the batch's automata (`jaxspec.constraints.rows.ConstraintRows`) when rows
     # decode under constraints: a proposer may draft the tokens a constraint forces
     constraint: Any = None
 

@@ -17,7 +17,7 @@ from fastapi import Request as HTTPRequest
 from ..engine import Engine, EngineStopped, Handle, Output, QueueFull, Request, RequestStats
 from ..text import TextStream
 from .errors import refused
-from .logprobs import Entry
+from .logprob_formats import Entry
 
 
 class Choice:

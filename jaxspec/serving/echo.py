@@ -30,7 +30,7 @@ from ..logprobs import TokenLogprob, to_host
 from ..score import score
 from ..shapes import prompt_bucket
 from ..text import Detokenizer
-from .logprobs import Entry, TokenText, completion_logprobs
+from .logprob_formats import Entry, TokenText, completion_logprobs
 from .protocol import CompletionRequest, RequestError
 
 TOP_WIDTH = 20  # most likely tokens scored per position when a request asks for any (prompt_logprobs' bound)

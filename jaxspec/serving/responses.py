@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from .choices import Choice, collect, merged
 from .echo import PromptPart
 from .errors import engine_failure
-from .logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
+from .logprob_formats import Entry, TokenText, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 
 

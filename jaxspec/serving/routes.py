@@ -22,7 +22,7 @@ from ..engine import Engine
 from .bodies import read_request
 from .choices import generating_nothing, submit
 from .echo import PromptScorer
-from .logprobs import TokenText
+from .logprob_formats import TokenText
 from .metrics import ServerMetrics
 from .protocol import MAX_MESSAGE_CHARS, ChatCompletionRequest, CompletionRequest, RequestError, clipped
 from .responses import respond

@@ -23,7 +23,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from .constraints import (
+from ..proposers.base import BatchShared, ChainProposer, Committed, Context, Draft, Proposer, drafts_chains
+from . import (
     Choice,
     JsonSchema,
     Regex,
@@ -37,7 +38,6 @@ from .constraints import (
     stack,
     states_along,
 )
-from .proposers.base import BatchShared, ChainProposer, Committed, Context, Draft, Proposer, drafts_chains
 
 
 @flax.struct.dataclass
