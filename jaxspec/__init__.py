@@ -10,7 +10,7 @@ of completions per prompt for RL (`jaxspec.rollouts`).
 from .cache import KVCache
 from .compilation_cache import enable_compilation_cache
 from .constraints import Choice, JsonSchema, Regex
-from .decode import decode, decode_chunk, prefill, spec_step
+from .decode import StepSpec, decode, decode_chunk, prefill, spec_step
 from .generation import GenerateResult, GenerateStats, Prepared, RowStats, generate, prepare
 from .logprobs import TokenLogprob
 from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_model
@@ -45,6 +45,7 @@ __all__ = [
     "ScoreResult",
     "SpecConfig",
     "StaticSuffixAutomaton",
+    "StepSpec",
     "TargetModel",
     "TokenLogprob",
     "TreeTopology",

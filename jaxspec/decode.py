@@ -54,6 +54,16 @@ class NoProposer(ChainProposer):
         return pstate
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """How every step of a compiled loop runs: static, part of the program's identity (`decode`, `decode_chunk`
+    and `spec_step` take one; `Prepared.step` is generate's)."""
+
+    proposer: Proposer = NoProposer()  # drafts each step; NoProposer decodes plainly
+    widths: tuple[int, ...] = (1,)  # the compiled verify widths, ending at K + 1
+    attention_impl: str = "xla"  # "xla", or "pallas" for the verification kernel
+
+
 def _is_stop(tokens: jax.Array, limits: RowLimits) -> jax.Array:
     """bool[B, ...] for tokens i32[B, ...]."""
     stop = limits.stop_ids.reshape(limits.stop_ids.shape[:1] + (1,) * (tokens.ndim - 1) + limits.stop_ids.shape[1:])
@@ -252,16 +262,16 @@ def propose_once(proposer: Proposer, proposer_params, state: DecodeState, sampli
     return proposer.propose(proposer_params, state.pstate, ctx, row_keys(sampling.seed, state.cache.lengths))
 
 
-def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
-              limits: RowLimits, widths: tuple[int, ...], attention_impl: str = "xla",
-              verify_cost: jax.Array | None = None) -> DecodeState:
+def spec_step(model, step: StepSpec, proposer_params, state: DecodeState, sampling: SamplingParams,
+              limits: RowLimits, verify_cost: jax.Array | None = None) -> DecodeState:
     """Propose, score, verify, commit: one step for every row (finished rows ride along and commit nothing).
 
     `model` is the merged target module (`lm.module`, or `nnx.merge(lm.graphdef, lm.params)` inside jit);
-    `widths` the verify widths (`Prepared.widths`); `verify_cost` f32[len(widths)] the measured cost of each
-    (`Prepared.verify_cost`), or None for the narrowest width holding the drafts. Not jitted itself: call it
-    inside your own jitted function or loop. Returns the new state.
+    `step` the proposer, verify widths and attention (`Prepared.step`); `verify_cost` f32[len(widths)] the
+    measured cost of each width (`Prepared.verify_cost`), or None for the narrowest width holding the drafts.
+    Not jitted itself: call it inside your own jitted function or loop. Returns the new state.
     """
+    proposer, widths = step.proposer, step.widths
     k = proposer.num_speculative_tokens
     ctx = _context(state, sampling, limits, k)
     draft, pstate = proposer.propose(proposer_params, state.pstate, ctx, row_keys(sampling.seed, state.cache.lengths))
@@ -272,8 +282,8 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     num_draft = jnp.minimum(num_draft, jnp.asarray(widths, jnp.int32)[choice] - 1)  # drafts past it wait
 
     drafts = Drafts(draft=draft, num=num_draft, in_vocab=in_vocab, node_depth=node_depth, max_draft=ctx.max_draft)
-    verified = verify(Scoring.of(model, proposer, widths, attention_impl), state, drafts, sampling, widths, choice,
-                      limits)
+    verified = verify(Scoring.of(model, proposer, widths, step.attention_impl), state, drafts, sampling, widths,
+                      choice, limits)
     new, keep, accepted = commit(state, verified, limits)
     counters = state.counters.record(~state.done, num_draft, _draft_depth(num_draft, node_depth, ctx.max_draft, k),
                                      accepted, keep)
@@ -284,46 +294,40 @@ def spec_step(model, proposer: Proposer, proposer_params, state: DecodeState, sa
     return new.replace(pstate=proposer.update(proposer_params, pstate, _context(new, sampling, limits, k), committed))
 
 
-def _loop(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params,
-          proposer: Proposer, widths: tuple[int, ...], attention_impl: str, last_step: jax.Array,
-          verify_cost: jax.Array | None) -> DecodeState:
+def _loop(model, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params, step: StepSpec,
+          last_step: jax.Array, verify_cost: jax.Array | None) -> DecodeState:
     """Steps until every row is done or the loop's step counter reaches `last_step`."""
-    model = nnx.merge(graphdef, params)
-
     def cond(s: DecodeState):
         return ~jnp.all(s.done) & (s.steps < last_step)
 
     def body(s: DecodeState):
-        return pinned(spec_step(model, proposer, proposer_params, s, sampling, limits, widths, attention_impl,
-                                verify_cost))
+        return pinned(spec_step(model, step, proposer_params, s, sampling, limits, verify_cost))
 
     return jax.lax.while_loop(cond, body, pinned(state))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "widths", "attention_impl"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "step"), donate_argnames=("state",))
 def decode(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params=None,
-           *, proposer: Proposer = NoProposer(), widths: tuple[int, ...] = (1,),
-           attention_impl: str = "xla", verify_cost: jax.Array | None = None) -> DecodeState:
+           *, step: StepSpec = StepSpec(), verify_cost: jax.Array | None = None) -> DecodeState:
     """Decode until every row is done, as one `lax.while_loop` on the device; returns the final state.
 
     `state` is donated: its buffers are reused for the result, so do not read the state you passed in.
-    `verify_cost` (f32[len(widths)], `jaxspec.cost`) makes each step's width cost-aware.
+    `step` is the proposer, verify widths and attention; `verify_cost` (f32[len(widths)], `jaxspec.cost`) makes
+    each step's width cost-aware.
     """
     max_steps = state.counters.committed.shape[1]
-    return _loop(graphdef, params, state, sampling, limits, proposer_params, proposer, widths, attention_impl,
+    return _loop(nnx.merge(graphdef, params), state, sampling, limits, proposer_params, step,
                  jnp.asarray(max_steps, jnp.int32), verify_cost)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "widths", "attention_impl", "num_steps"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "step", "num_steps"), donate_argnames=("state",))
 def decode_chunk(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits,
-                 proposer_params=None, *, proposer: Proposer = NoProposer(), widths: tuple[int, ...] = (1,),
-                 attention_impl: str = "xla", num_steps: int, verify_cost: jax.Array | None = None) -> DecodeState:
+                 proposer_params=None, *, step: StepSpec = StepSpec(), num_steps: int,
+                 verify_cost: jax.Array | None = None) -> DecodeState:
     """At most `num_steps` more steps, fewer once every row is done: the serving engine's unit of work.
 
     Between chunks the host streams what rows committed, admits requests into free rows and retires finished
     ones; the state (cache, histories, proposer state) stays on the device and is updated in place.
     """
-    return _loop(graphdef, params, state, sampling, limits, proposer_params, proposer, widths, attention_impl,
+    return _loop(nnx.merge(graphdef, params), state, sampling, limits, proposer_params, step,
                  state.steps + num_steps, verify_cost)

@@ -21,7 +21,7 @@ from . import cost, predicted, sharding
 from .builders import build_proposer
 from .cache import kv_bytes_per_slot
 from .constraints import rows as constraint_rows
-from .decode import decode, prefill, propose_once
+from .decode import StepSpec, decode, prefill, propose_once
 from .limits import check_prompt, eos_ids, is_token_list, stop_ids, stop_table
 from .logprobs import TokenLogprob, to_host
 from .methods import forced_token_budget
@@ -372,8 +372,7 @@ class Prepared:
                         track_counts=p.track_counts)
         if p.predictions is not None:
             state = jaxspec.predicted.install(state, p.predictions)
-        state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params,
-                       proposer=p.proposer, widths=p.widths, attention_impl=p.attention_impl,
+        state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, step=p.step,
                        verify_cost=p.verify_cost)
         tokens, counts = p.new_tokens(state)
     """
@@ -402,6 +401,11 @@ class Prepared:
     def batch_size(self) -> int:
         """B, the number of rows."""
         return self.prompts.shape[0]
+
+    @property
+    def step(self) -> StepSpec:
+        """How each step runs (`decode`'s `step=`): the proposer, the verify widths and the attention."""
+        return StepSpec(self.proposer, self.widths, self.attention_impl)
 
     def new_tokens(self, state) -> tuple[np.ndarray, np.ndarray]:
         """(i32[B, max_new_tokens] each row's new tokens, -1 after them; i32[B] how many) from a `DecodeState`."""
@@ -638,8 +642,8 @@ def generate(
             state = predicted.install(state, p.predictions)
         jax.block_until_ready(state.history)
         t1 = time.perf_counter()
-        state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, proposer=p.proposer,
-                       widths=p.widths, attention_impl=p.attention_impl, verify_cost=p.verify_cost)
+        state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, step=p.step,
+                       verify_cost=p.verify_cost)
         history, history_len, steps, counters, buffer, pstate = jax.device_get(
             (state.history, state.history_len, state.steps, state.counters, state.logprobs, state.pstate))
     t2 = time.perf_counter()

@@ -22,7 +22,7 @@ from flax import nnx
 import jaxspec
 from jaxspec import SamplingParams
 from jaxspec.cache import write_new
-from jaxspec.decode import NoProposer, decode, prefill
+from jaxspec.decode import NoProposer, StepSpec, decode, prefill
 from jaxspec.models import llama
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import Llama, row_group
@@ -257,11 +257,11 @@ def test_decode_loop_updates_the_cache_in_place(batch, method, groups, request):
         proposer, widths = _StaticTree(), (1, 3, 5)
     state = prefill(lm.graphdef, lm.params, prompts, jnp.full((batch,), 5, jnp.int32), sampling, limits,
                     cache_len=S, buffer_len=16, proposer=proposer)
-    hlo = decode.lower(lm.graphdef, lm.params, state, sampling, limits, proposer=proposer,
-                       widths=widths).compile().as_text()
+    hlo = decode.lower(lm.graphdef, lm.params, state, sampling, limits,
+                       step=StepSpec(proposer, widths)).compile().as_text()
     buffer = re.escape(f"f32[{batch},{CFG.num_kv_heads},{S},{CFG.head_dim}]")
     copies = re.findall(rf"= {buffer}\S* copy\(", hlo)
     assert not copies, f"{len(copies)} copies of a whole cache buffer in the decode loop"
     # The loop still runs and commits tokens.
-    out = decode(lm.graphdef, lm.params, state, sampling, limits, proposer=proposer, widths=widths)
+    out = decode(lm.graphdef, lm.params, state, sampling, limits, step=StepSpec(proposer, widths))
     assert int(out.history_len[0] - out.prompt_len[0]) == 8

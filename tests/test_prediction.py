@@ -379,8 +379,7 @@ def _run(lm, prompts, proposer, predictions, sampling=SamplingParams()):
         tokens, lengths = pad_predictions(predictions, proposer.max_prediction_len)
         state = state.replace(pstate=with_prediction(state.pstate, tokens, lengths, state.history,
                                                      state.history_len, state.prompt_len))
-    state = jaxspec.decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params,
-                           proposer=p.proposer, widths=p.widths)
+    state = jaxspec.decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, step=p.step)
     tokens, counts = p.new_tokens(state)
     return [t[:n].tolist() for t, n in zip(tokens, counts)], jax.device_get(state)
 

@@ -248,9 +248,9 @@ def test_chunks_that_do_not_speculate_run_the_plain_program(peaked_lm, plain, mo
 
     used = []
 
-    def spy(*args, proposer, **kwargs):
-        used.append((proposer, kwargs["widths"], args[2].pstate))
-        return decode_chunk(*args, proposer=proposer, **kwargs)
+    def spy(*args, step, **kwargs):
+        used.append((step.proposer, step.widths, args[2].pstate))
+        return decode_chunk(*args, step=step, **kwargs)
 
     monkeypatch.setattr(rollout_run, "decode_chunk", spy)
     res = _run(peaked_lm, "group_sam", speculation="off")

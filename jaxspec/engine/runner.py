@@ -27,7 +27,7 @@ from ..builders import build_proposer
 from ..constraints import FREE, stack
 from ..constraints.rows import ConstraintRows, ForcedTokenProposer
 from ..constraints.tables import check_key_range
-from ..decode import decode_chunk, pinned, prefill
+from ..decode import StepSpec, decode_chunk, pinned, prefill
 from ..generation import default_attention_impl
 from ..limits import stop_table
 from ..logprobs import TokenLogprob, to_host, window
@@ -444,8 +444,8 @@ class Runner:
 
     def _chunk_settings(self, plain: bool) -> dict:
         """`decode_chunk`'s static settings: every verify width, or (plain) width 1 alone."""
-        return dict(proposer=self.proposer, widths=(1,) if plain else self.widths,
-                    attention_impl=self.attention_impl, num_steps=self.config.chunk_steps)
+        return dict(step=StepSpec(self.proposer, (1,) if plain else self.widths, self.attention_impl),
+                    num_steps=self.config.chunk_steps)
 
     @property
     def speculating(self) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import cost, sharding
 from ..builders import build_proposer
-from ..decode import NoProposer, decode_chunk, prefill
+from ..decode import StepSpec, decode_chunk, prefill
 from ..engine import slots
 from ..generation import cut_at_stop_string, default_attention_impl
 from ..models.loading import LanguageModel
@@ -272,12 +272,12 @@ class _Rollout:
                 # cost 4% a step at 64 rows; the state rejoins after the chunk.
                 held = state.pstate
                 state = decode_chunk(lm.graphdef, self.params, state.replace(pstate=()), sampling, limits, None,
-                                     proposer=NoProposer(), widths=(1,), attention_impl=self.attention_impl,
+                                     step=StepSpec(attention_impl=self.attention_impl),
                                      num_steps=self.chunk_steps).replace(pstate=held)
             else:
+                step = StepSpec(self.proposer, self.widths if cap else (1,), self.attention_impl)
                 state = decode_chunk(lm.graphdef, self.params, state, sampling, limits, self.proposer_params,
-                                     proposer=self.proposer, widths=self.widths if cap else (1,),
-                                     attention_impl=self.attention_impl, num_steps=self.chunk_steps)
+                                     step=step, num_steps=self.chunk_steps)
             read = (state.done, state.steps, state.counters.steps, state.counters.accepted_at)
             if self.stops is not None:
                 read += (state.history, state.history_len)
