@@ -21,6 +21,7 @@ from jaxspec import SamplingParams, SpecConfig
 from jaxspec.builders import draft_readout
 from jaxspec.decode import propose_once
 from jaxspec.models.heads import WEIGHTS_DIR, load_draft_vocab, save_draft_vocab
+from jaxspec.proposers.base import Proposer
 from jaxspec.proposers.eagle import EagleProposer
 from jaxspec.train import draft_vocab
 from jaxspec.train.prompts import humaneval_split
@@ -200,7 +201,7 @@ def test_sampled_chain_probs_are_the_distribution_over_exactly_the_draft_vocabul
 
 
 @dataclasses.dataclass(frozen=True)
-class UnscatteredProbs:
+class UnscatteredProbs(Proposer):
     """Negative control: the restricted EAGLE chain with its q *not* scattered back to target ids: column j's
     probability left at id j (what forgetting the draft-to-target map in q would do)."""
 

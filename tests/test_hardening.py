@@ -33,7 +33,7 @@ from scipy import stats
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.decode import OOV_DRAFT_PLACEHOLDER
-from jaxspec.proposers.base import ChainProposer, Committed, Context, Draft
+from jaxspec.proposers.base import ChainProposer, Committed, Context, Draft, Proposer
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.index.suffix_automaton import StaticSuffixAutomaton
 from jaxspec.rejection import _ACCEPT_STREAM, rejection_sample
@@ -268,13 +268,12 @@ class JunkOracleProposer(ChainProposer):
 
 
 @dataclasses.dataclass(frozen=True)
-class JunkTreeProposer:
+class JunkTreeProposer(Proposer):
     """A tree whose first branch starts with an out-of-vocabulary node (its child holds the right token) and
     whose second branch drafts plain greedy's next two tokens."""
 
     num_speculative_tokens: int = 4
     max_depth: int = 2
-    needs_features = False
 
     def init(self, params, ctx: Context):
         return ()
