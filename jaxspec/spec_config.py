@@ -44,7 +44,11 @@ def check_custom_proposer(proposer) -> None:
                          "static argument of the jitted loop, so it must be a frozen dataclass "
                          "(@dataclasses.dataclass(frozen=True)) or otherwise hashable; pass arrays as "
                          "proposer_params") from e
-    k = proposer.num_speculative_tokens
+    try:
+        k = proposer.num_speculative_tokens
+    except AttributeError:
+        raise ValueError(f"proposer={short_repr(proposer)} has no num_speculative_tokens: a Proposer declares K, "
+                         "the most tokens (or tree nodes) it drafts a step") from None
     if not isinstance(proposer.needs_features, (bool, np.bool_)):
         raise ValueError(f"proposer.needs_features={proposer.needs_features!r} must be True or False")
     if not is_integer(proposer.max_depth) or (is_integer(k) and not 0 <= proposer.max_depth <= k):

@@ -359,6 +359,11 @@ class Undeclared:
 
 
 @dataclasses.dataclass(frozen=True)
+class NoBudget(ChainProposer):  # a Proposer without its K
+    init, propose, update = ShapedProposer.init, ShapedProposer.propose, ShapedProposer.update
+
+
+@dataclasses.dataclass(frozen=True)
 class WrongDepth(ShapedProposer):
     max_depth: int = 4  # deeper than K = 3 drafts can reach
 
@@ -368,6 +373,7 @@ class WrongDepth(ShapedProposer):
     (ArrayHoldingProposer(table=jnp.arange(3)), r"proposer=ArrayHoldingProposer\(.*is not hashable.*proposer_params"),
     (NoUpdate(), r"proposer=<.*NoUpdate.*> is not a jaxspec.proposers.base.Proposer"),
     (Undeclared(), r"proposer=Undeclared\(.*\) is not a jaxspec.proposers.base.Proposer: inherit it.*ChainProposer"),
+    (NoBudget(), r"proposer=NoBudget\(\) has no num_speculative_tokens"),
     (WrongDepth(), r"proposer.max_depth=4 must be an integer in \[0, num_speculative_tokens=3\]"),
     (None, r"method='custom' needs proposer="),
 ])
