@@ -9,6 +9,9 @@ speculative and plain runs share one machinery.
 The host calls `prefill` once and `decode` once; nothing crosses to the host between steps. Shapes are fixed
 (batch B, prompt bucket P, history H = P + output bucket, cache S), rows finish independently, and per-request
 values (sampling settings, seeds, limits, stop ids) are arrays, so a new request never recompiles.
+
+The state the loop carries is `jaxspec.state`; scoring and verifying a step's drafts is `jaxspec.verification`;
+this module proposes, commits and loops.
 """
 
 from __future__ import annotations
