@@ -251,8 +251,9 @@ _WHOLE_READ_SLOTS = 256
 
 
 def _read_block(max_len: int) -> int:
-    """Slots per cache block: `_READ_BLOCK`, or the whole cache when it is smaller."""
-    return min(_READ_BLOCK, max_len)
+    """Slots per cache block: the whole cache up to `_WHOLE_READ_SLOTS` slots, else `_READ_BLOCK`. The row groups
+    are sized by it (`_by_row_groups`), so a whole read of up to 256 slots counts as what it reads."""
+    return max_len if max_len <= _WHOLE_READ_SLOTS else _READ_BLOCK
 
 
 def _cache_blocks(q, k_cache, v_cache, needed: jax.Array, visible, cfg: ModelConfig):
@@ -278,7 +279,7 @@ def _cache_blocks(q, k_cache, v_cache, needed: jax.Array, visible, cfg: ModelCon
 
     empty = (jnp.full((B, Hkv, M, 1), _MASKED, jnp.float32), jnp.zeros((B, Hkv, M, 1), jnp.float32),
              jnp.zeros((B, Hkv, M, hd), jnp.float32))
-    if S <= _WHOLE_READ_SLOTS:  # one block of the whole cache: no loop to compile
+    if block == S:  # one block of the whole cache: no loop to compile
         return add_block(empty, k_cache, v_cache, visible(jnp.arange(S)))
 
     def step(i, parts):
