@@ -54,8 +54,10 @@ def _defaults(**settings) -> Mapping[str, Any]:
 # 4, one draft per matched token, widths 9 and 17). With the CPU matmul kernel (docs/cpu-performance.md) c(T) rises
 # slowly from about one plain step, so short matches pay: replaying the target's greedy text on tuning prompts
 # (docs/concepts/proposers.md) prices rules, and a draft from a single matched token, two drafts per matched token,
-# widths 1, 3, 5, 9, 17 comes first, modelled and end to end on held-out code and chat prompts, at one row and at eight
-# (widths by cost); docs/benchmarks.md has the figures.
+# comes first, modelled and end to end on held-out code and chat prompts, at one row and at eight (widths by cost);
+# docs/benchmarks.md has the figures. Its widths are 1, 5, 9 and 17: at one row on eight held-out prompts a draft
+# of one or two tokens verified at width 5 decodes as fast as at width 3, and each width is one more target forward
+# to compile before the first token.
 # Trained heads: K counts drafted tokens (eagle, a chain) or tree nodes (medusa, eagle2); 7 and 15 make verify widths 8
 # and 16, which XLA:CPU runs cheaply at batch 1 (its general matmul path is efficient again from about 8 rows). They
 # draft over the 4096 most frequent tokens (`draft_vocab`, FR-Spec): over the full 49152-wide LM head an EAGLE drafting
@@ -76,7 +78,7 @@ _ALL = (
            defaults=_defaults(num_speculative_tokens=8, min_match=2, draft_per_match=math.inf)),
     Method("sam", "lookup", "suffix automaton over the row's text (and a static corpus): adaptive draft length",
            served=True, defaults=_defaults(num_speculative_tokens=16, min_match=1, draft_per_match=2.0,
-                                           verify_widths=(1, 3, 5, 9, 17))),
+                                           verify_widths=(1, 5, 9, 17))),
     # Rollouts (jaxspec.rollout): a row drafts from every sample of its prompt. Verify widths 3 and 5 let the
     # rollout's tail policy speculate a little at batch sizes where width 9 does not pay yet.
     Method("group_sam", "lookup", "longest suffix match over every sample of the row's prompt group (rollouts)",

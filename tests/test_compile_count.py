@@ -49,7 +49,7 @@ def _spec(method: str, head_files) -> SpecConfig | None:
 # adds the narrow ones (jaxspec.shapes), measured or from the prior.
 WIDTHS = {("none", 1): (1,), ("none", 3): (1,),
           ("ngram", 1): (1, 9), ("ngram", 3): (1, 2, 3, 5, 9),
-          ("sam", 1): (1, 3, 5, 9, 17), ("sam", 3): (1, 2, 3, 5, 9, 17),
+          ("sam", 1): (1, 5, 9, 17), ("sam", 3): (1, 2, 3, 5, 9, 17),
           ("eagle3", 1): (1, 3, 5, 9, 16), ("eagle3", 3): (1, 3, 5, 9, 16)}
 # Compiled (each compile costs seconds here): one call per kind of program; the rest check their widths only.
 COMPILED = {("none", 1), ("sam", 3), ("eagle3", 1)}
