@@ -31,6 +31,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -52,6 +53,8 @@ from .models import llama
 PRIOR_RATE = 0.5  # a row's acceptance rate before it has drafted
 PRIOR_WEIGHT = 4.0  # ... weighted as this many drafted tokens
 EXPLORATION = 0.5  # the bonus: this over sqrt(drafted + PRIOR_WEIGHT), 0.25 before a row's first draft
+COMPILE_GAIN = 0.03  # a verify width is compiled where it chooses this much better (`widths_worth_compiling`)
+_RATES = np.linspace(0.0, 1.0, 41)  # the acceptance rates a width must pay at
 CACHE_ENV = "JAXSPEC_VERIFY_COST"  # "off": never measure (narrowest width holding the drafts); else a directory
 # An unmeasured shape: answer with the prior and measure in the background (True), or measure before answering.
 BACKGROUND = True
@@ -139,6 +142,44 @@ def choose_tree_width(widths: tuple[int, ...], verify_cost: jax.Array, num_draft
     prefix = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.sum(gained, axis=0)])  # f32[K+1]
     committed = jnp.sum(counted) + prefix[jnp.minimum(nodes, k)]  # f32[W]
     return jnp.argmax(committed / verify_cost).astype(jnp.int32)
+
+
+def widths_worth_compiling(widths: tuple[int, ...], costs: tuple[float, ...], *, tree: bool = False,
+                           gain: float = COMPILE_GAIN) -> tuple[int, ...]:
+    """The fewest of `widths` (sorted, with c(w) `costs`) that choose within `gain` of the best of them all:
+    for every draft length and acceptance rate, the best step among those kept commits at least 1 - `gain` of
+    the best step's tokens per unit of cost. Width 1, the plain step, is kept wherever it is offered.
+
+    Each width is one more target forward in the loop's program, and so seconds of compile before the first
+    token. The width choice (`choose_width`, `choose_tree_width`) never runs a width that costs as much as a
+    wider one, nor one whose extra drafts do not repay its cost at any rate; those are left out. A chain's m
+    scored drafts commit E(m) = 1 + a + ... + a^m at rate a; a tree's best m nodes commit between that (nodes
+    along one path) and 1 + m a (nodes side by side), so for trees both bounds are covered. One row stands for
+    the batch: the choice sums rows whose drafts look alike, and ties among the rest cost at most `gain`.
+    """
+    if len(widths) != len(costs):
+        raise ValueError(f"{len(costs)} costs for widths {widths!r}")
+    w = np.asarray(widths)  # [W]
+    scored = np.minimum(np.arange(w[-1])[:, None], w[None, :] - 1)  # [n drafts, W]: drafts each width scores
+    a = _RATES[:, None, None]
+    committed = [(1.0 - a ** (scored + 1)) / np.maximum(1.0 - a, 1e-9)]  # [A, n, W]; the a = 1 limit is m + 1
+    committed[0][-1] = scored + 1
+    if tree:
+        committed.append(1.0 + a * scored)
+    value = np.stack(committed) / np.asarray(costs)  # [families, A, n, W]
+    best = value.max(axis=-1)
+    required = [i for i, width in enumerate(widths) if width == 1]
+    optional = [i for i in range(len(widths)) if i not in required]
+    for size in range(0 if required else 1, len(optional) + 1):
+        fits = []
+        for extra in itertools.combinations(optional, size):
+            keep = sorted((*required, *extra))
+            worst = np.min(value[..., keep].max(axis=-1) / best)
+            if worst >= 1.0 - gain:
+                fits.append((worst, keep))
+        if fits:
+            return tuple(widths[i] for i in max(fits)[1])
+    return tuple(widths)
 
 
 def narrowest_holding(widths: tuple[int, ...], num_draft: jax.Array) -> jax.Array:

@@ -498,9 +498,12 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
         # Costs at a cache about half filled with output, the middle of the run, rounded down to the cache's
         # alignment: the table is keyed by it, and calls whose prompts differ by a few tokens share one.
         middle = max(prompt_lens) + req.max_new_tokens // 2
-        costs = cost.verify_cost(lm, batch=batch, cache_len=cache_len, widths=widths,
-                                 cached=middle - middle % CACHE_ALIGN, attention_impl=req.attention_impl)
-        verify_cost = jnp.asarray(costs, jnp.float32)
+        costs = dict(zip(widths, cost.verify_cost(lm, batch=batch, cache_len=cache_len, widths=widths,
+                                                  cached=middle - middle % CACHE_ALIGN,
+                                                  attention_impl=req.attention_impl)))
+        # Only the widths the table says can pay are compiled: each is a whole forward in the loop's program.
+        widths = cost.widths_worth_compiling(widths, tuple(costs.values()), tree=ranked)
+        verify_cost = jnp.asarray([costs[w] for w in widths], jnp.float32)
     prepared = Prepared(
         prompts=jnp.asarray(padded), prompt_lens=jnp.asarray(prompt_lens, jnp.int32), sampling=req.sampling,
         limits=limits, proposer=proposer, proposer_params=proposer_params, cache_len=cache_len,

@@ -46,11 +46,12 @@ def _spec(method: str, head_files) -> SpecConfig | None:
 
 # (method, rows) -> the verify widths its decode loop compiles: one target forward each. Chains at one row take
 # their method's own widths; above one row (and trees drafted best node first, at any row count) the cost choice
-# adds the narrow ones (jaxspec.shapes), measured or from the prior.
+# is offered the narrow ones too (jaxspec.shapes) and compiles those its table (here the prior) says can pay
+# (`cost.widths_worth_compiling`).
 WIDTHS = {("none", 1): (1,), ("none", 3): (1,),
-          ("ngram", 1): (1, 9), ("ngram", 3): (1, 2, 3, 5, 9),
-          ("sam", 1): (1, 5, 9, 17), ("sam", 3): (1, 2, 3, 5, 9, 17),
-          ("eagle3", 1): (1, 3, 5, 9, 16), ("eagle3", 3): (1, 3, 5, 9, 16)}
+          ("ngram", 1): (1, 9), ("ngram", 3): (1, 9),
+          ("sam", 1): (1, 5, 9, 17), ("sam", 3): (1, 9, 17),
+          ("eagle3", 1): (1, 16), ("eagle3", 3): (1, 9, 16)}
 # Compiled (each compile costs seconds here): one call per kind of program; the rest check their widths only.
 COMPILED = {("none", 1), ("sam", 3), ("eagle3", 1)}
 

@@ -228,9 +228,9 @@ def test_drafts_of_rows_ahead_of_the_last_are_not_scored(tiny_lm, prompts, cache
 
 def test_the_default_measures_chains_of_several_rows_and_ranked_trees(tiny_lm, prompts, head_files, cache_dir,
                                                                       monkeypatch):
-    timed = []
-    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: timed.append(batch) or tuple(
-        float(w) for w in widths))
+    timed, offered = [], []
+    monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: timed.append(batch)
+                        or offered.append(widths) or tuple(float(w) for w in widths))
     sam = SpecConfig(method="sam")
     assert jaxspec.prepare(tiny_lm, prompts[:1], max_new_tokens=8, spec=sam).verify_cost is None
     assert jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8,
@@ -240,13 +240,15 @@ def test_the_default_measures_chains_of_several_rows_and_ranked_trees(tiny_lm, p
     assert timed == []
     p = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8, spec=sam)
     assert timed == [3]
-    # The cost choice is offered the narrow widths too (shapes.COST_CHOICE_WIDTHS), each measured.
-    assert p.widths == (1, 2, 3, 5, 9, 17) and p.verify_cost.tolist() == list(p.widths)
+    # The cost choice is offered the narrow widths too (shapes.COST_CHOICE_WIDTHS), each measured; a cost that
+    # grows as the width repays no draft, so only the plain step is compiled.
+    assert offered[-1] == (1, 2, 3, 5, 9, 17)
+    assert p.widths == (1,) and p.verify_cost.tolist() == [1.0]
     # An EAGLE-2 tree ranks its nodes: measured at one row too, offered the tree widths 3, 5 and 9.
     eagle2 = SpecConfig(method="eagle2", head_path=head_files["eagle"], num_speculative_tokens=9, tree_depth=4,
                         tree_top_k=3, verify_widths=(1, 10))
     p = jaxspec.prepare(tiny_lm, prompts[:1], max_new_tokens=8, spec=eagle2)
-    assert timed == [3, 1] and p.widths == (1, 3, 5, 9, 10) and p.verify_cost is not None
+    assert timed == [3, 1] and offered[-1] == (1, 3, 5, 9, 10) and p.verify_cost is not None
     # sam drafting from a corpus ("auto" takes the one given): measured at one row too.
     corpus = StaticSuffixAutomaton.build([prompts[0] * 2], separator=0)
     p = jaxspec.prepare(tiny_lm, prompts[:1], max_new_tokens=8, spec=SpecConfig(method="sam", static_sam=corpus))
@@ -288,21 +290,22 @@ class RankedOracleTree(OracleTreeProposer):
         return draft.replace(confidence=confidence.astype(jnp.float32)), pstate
 
 
-@pytest.mark.parametrize("costs, tokens_per_step", [
-    ({1: 1.0, 3: 1.0, 5: 1.0, 9: 1.0, 10: 1.0}, (4.0, 5.0)),  # everything cheap: the whole tree
-    ({1: 1.0, 3: 1.0, 5: 100.0, 9: 100.0, 10: 100.0}, (1.6, 2.0)),  # only width 3 affordable: 2 nodes
-    ({1: 1.0, 3: 100.0, 5: 100.0, 9: 100.0, 10: 100.0}, (1.0, 1.0)),  # nothing repays a draft: plain steps
+@pytest.mark.parametrize("costs, compiled, tokens_per_step", [
+    ({1: 1.0, 3: 1.0, 5: 1.0, 9: 1.0, 10: 1.0}, (1, 10), (4.0, 5.0)),  # everything cheap: the whole tree
+    ({1: 1.0, 3: 1.0, 5: 100.0, 9: 100.0, 10: 100.0}, (1, 3), (1.6, 2.0)),  # only width 3 affordable: 2 nodes
+    ({1: 1.0, 3: 100.0, 5: 100.0, 9: 100.0, 10: 100.0}, (1,), (1.0, 1.0)),  # nothing repays a draft: plain steps
 ])
 def test_a_ranked_tree_scores_the_best_nodes_its_costs_afford(tiny_lm, prompts, cache_dir, monkeypatch, costs,
-                                                              tokens_per_step):
-    """A tree drafted best node first is scored by the width its measured costs favour (the tree widths
-    offered beside its own), and greedy and seeded rows still reproduce plain decoding token for token."""
+                                                              compiled, tokens_per_step):
+    """A tree drafted best node first is scored by the width its measured costs favour (offered the tree widths
+    beside its own, compiled only where they pay), and greedy and seeded rows still reproduce plain decoding
+    token for token."""
     monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(costs[w] for w in widths))
     plain = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, sampling=MIXED)
     tree = RankedOracleTree(TOPOLOGY.num_nodes, TOPOLOGY, (0, 0, 0, 0), vocab=97)
     spec = SpecConfig(method="custom", num_speculative_tokens=TOPOLOGY.num_nodes, verify_widths=(1, 10),
                       cost_aware=True, proposer=tree, proposer_params=_known(prompts, plain, 128))
-    assert jaxspec.prepare(tiny_lm, prompts, max_new_tokens=40, sampling=MIXED, spec=spec).widths == (1, 3, 5, 9, 10)
+    assert jaxspec.prepare(tiny_lm, prompts, max_new_tokens=40, sampling=MIXED, spec=spec).widths == compiled
     out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=40, sampling=MIXED, spec=spec)
     assert out.token_ids == plain.token_ids
     low, high = tokens_per_step
@@ -332,6 +335,56 @@ def test_the_prior_is_one_plain_step_when_memory_bounds_and_grows_when_compute_d
         assert all(a <= b for a, b in zip(table, table[1:]))
     assert many[-1] > 2 * one_row[-1]
     assert many[-1] <= 17.5
+
+
+@pytest.mark.parametrize("costs, tree, kept", [
+    ({1: 1.0, 3: 1.0, 5: 1.0, 9: 1.0, 17: 1.0}, False, (1, 17)),  # bound by memory: the widest costs no more
+    ({1: 1.0, 3: 3.0, 5: 5.0, 9: 9.0, 17: 17.0}, False, (1,)),  # cost grows as the width: no draft repays it
+    ({1: 1.0, 2: 1.0, 3: 0.98, 5: 1.06, 9: 1.37, 17: 2.79}, False, (1, 3, 5, 9)),  # measured on a 2-core CPU
+    ({1: 1.0, 3: 1.0, 5: 1.0, 9: 1.0, 16: 1.0}, True, (1, 16)),
+    ({1: 1.0, 3: 1.0, 5: 100.0, 9: 100.0, 10: 100.0}, True, (1, 3)),
+    ({5: 1.0, 9: 1.0}, False, (9,)),  # widths without the plain step keep what pays
+])
+def test_only_widths_the_choice_can_pay_for_are_compiled(costs, tree, kept):
+    assert cost.widths_worth_compiling(tuple(costs), tuple(costs.values()), tree=tree) == kept
+
+
+def test_a_width_without_its_cost_is_an_error():
+    with pytest.raises(ValueError, match="2 costs for widths"):
+        cost.widths_worth_compiling((1, 5, 9), (1.0, 1.2))
+
+
+def _best_choice(widths, table, num_draft, rate, tree):
+    """Tokens per unit of cost that the loop's choice among `widths` (costs {w: c(w)}) expects for one row with
+    `num_draft` drafts at acceptance `rate` (a tree's nodes ranked with path probabilities rate, rate^2, ...)."""
+    costs = jnp.asarray([table[w] for w in widths], jnp.float32)
+    n, counted = jnp.asarray([num_draft], jnp.int32), jnp.ones((1,), bool)
+    if tree:
+        confidence = jnp.asarray([rate ** np.arange(1, 17)], jnp.float32)
+        w = widths[int(cost.choose_tree_width(widths, costs, n, confidence, counted))]
+        return (1 + float(jnp.sum(confidence[0, : min(num_draft, w - 1)]))) / table[w]
+    w = widths[int(cost.choose_width(widths, costs, n, jnp.asarray([rate], jnp.float32), counted))]
+    return sum(rate ** i for i in range(min(num_draft, w - 1) + 1)) / table[w]
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_the_kept_widths_choose_within_the_gain_of_all_widths(tree):
+    """Against the loop's own choice (`choose_width`, `choose_tree_width`) on random cost tables, draft lengths
+    and rates: choosing among the kept widths commits at least 1 - COMPILE_GAIN of what the best of all widths
+    commits per unit of cost, one row at a time."""
+    rng = np.random.default_rng(0)
+    widths = (1, 2, 3, 5, 9, 17)
+    dropped = 0
+    for _ in range(40):
+        steps = rng.exponential(0.4, 5) * rng.uniform(0.0, 1.0, 5)
+        table = dict(zip(widths, np.concatenate([[1.0], 1.0 + steps.cumsum()]).tolist()))
+        kept = cost.widths_worth_compiling(widths, tuple(table.values()), tree=tree)
+        dropped += len(widths) - len(kept)
+        for num_draft in (0, 1, 2, 4, 8, 16):
+            for rate in (0.1, 0.4, 0.7, 0.95):
+                best = _best_choice(widths, table, num_draft, rate, tree)
+                assert _best_choice(kept, table, num_draft, rate, tree) >= (1 - cost.COMPILE_GAIN) * best - 1e-6
+    assert dropped > 0  # the tables left widths out, so the check compared different sets
 
 
 def test_an_unmeasured_shape_answers_with_the_prior_and_measures_between_calls(tiny_lm, prompts, tmp_path,
@@ -367,3 +420,4 @@ def test_an_unmeasured_shape_answers_with_the_prior_and_measures_between_calls(t
     p = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8, spec=sam)
     assert p.verify_cost.tolist() == [float(w) for w in p.widths]  # measured: what `_measure` returned
     cost._MEMO.clear()
+
