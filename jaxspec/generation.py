@@ -634,10 +634,15 @@ def generate(
                    constraint=constraint, stop=stop)
     if req.max_new_tokens == 0:
         return _empty_result(req)
-    p = _prepare(lm, req)
+    # A background cost measurement waits from the moment `_prepare` asks for a table until the call returns.
+    with cost.generating():
+        return _generate(lm, req, _prepare(lm, req))
 
+
+def _generate(lm: LanguageModel, req: _Request, p: Prepared) -> GenerateResult:
+    """`generate`'s prefill and decode loop over a prepared request, and its result."""
     t0 = time.perf_counter()
-    with sharding.use_rules(lm.mesh, lm.rules), cost.generating():  # a background cost measurement waits
+    with sharding.use_rules(lm.mesh, lm.rules):
         state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
                         p.logprob_rows, constraint=p.constraint, proposer=p.proposer, cache_len=p.cache_len,
                         buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs, track_counts=p.track_counts)

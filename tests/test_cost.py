@@ -421,3 +421,17 @@ def test_an_unmeasured_shape_answers_with_the_prior_and_measures_between_calls(t
     assert p.verify_cost.tolist() == [float(w) for w in p.widths]  # measured: what `_measure` returned
     cost._MEMO.clear()
 
+
+def test_a_call_holds_the_measurement_off_from_the_moment_it_asks_for_a_table(tiny_lm, prompts, tmp_path,
+                                                                                monkeypatch):
+    """`generate` counts as generating before it asks for a table, so the background thread cannot slip a
+    timing forward's compile in between the question and the decoding."""
+    monkeypatch.setenv(cost.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cost, "BACKGROUND", True)  # the library's default (benchkit turns it off)
+    cost._MEMO.clear()
+    in_flight = []
+    monkeypatch.setattr(cost._BACKGROUND_JOBS, "submit", lambda *a: in_flight.append(cost._BACKGROUND_JOBS._busy))
+    out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=8, spec=SpecConfig(method="sam"),
+                           sampling=SamplingParams(temperature=0.0))
+    assert in_flight == [1] and out.stats.steps > 0
+    cost._MEMO.clear()
