@@ -393,9 +393,10 @@ def fill_params(state: nnx.State, values: dict[str, Any], *, source: str, needed
     unexpected or of other shapes than `needed` has."""
     flat = _flat(state)
     check_shapes({name: tuple(v.shape) for name, v in values.items()},
-                 {name: tuple(var[...].shape) for name, var in flat.items()}, source=source, needed=needed)
-    for name, var in flat.items():
-        var[...] = jnp.array(values[name], var[...].dtype)  # a copy: a train step donates its state's buffers
+                 {name: tuple(var.get_value().shape) for name, var in flat.items()}, source=source, needed=needed)
+    for name, var in flat.items():  # the state's values may be abstract (`nnx.eval_shape`): only shape and dtype
+        # A copy: a train step donates its state's buffers.
+        var.set_value(jnp.array(values[name], var.get_value().dtype))
 
 
 def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any] | None = None) -> Path:
@@ -476,7 +477,7 @@ def load_head(path: str | Path, cfg: ModelConfig):
     shapes = {name: tuple(var.get_value().shape) for name, var in _flat(nnx.state(abstract)).items()}
     check_shapes(weights.shapes, shapes, source=weights.source, needed=needed)
     values = {name: weights.read(name) for name in shapes}
-    graphdef, state = nnx.split(build())
+    graphdef, state = nnx.split(abstract)  # every variable comes from the file: nothing to draw at random first
     fill_params(state, values, source=weights.source, needed=needed)
     return nnx.merge(graphdef, state), meta
 
