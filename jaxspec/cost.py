@@ -155,7 +155,8 @@ def widths_worth_compiling(widths: tuple[int, ...], costs: tuple[float, ...], *,
     wider one, nor one whose extra drafts do not repay its cost at any rate; those are left out. A chain's m
     scored drafts commit E(m) = 1 + a + ... + a^m at rate a; a tree's best m nodes commit between that (nodes
     along one path) and 1 + m a (nodes side by side), so for trees both bounds are covered. One row stands for
-    the batch: the choice sums rows whose drafts look alike, and ties among the rest cost at most `gain`.
+    the batch: for rows that draft alike the choice's sum scales and the bound holds; a step whose rows draft
+    very differently may lose somewhat more than `gain`.
     """
     if len(widths) != len(costs):
         raise ValueError(f"{len(costs)} costs for widths {widths!r}")
