@@ -144,6 +144,7 @@ def choose_tree_width(widths: tuple[int, ...], verify_cost: jax.Array, num_draft
     return jnp.argmax(committed / verify_cost).astype(jnp.int32)
 
 
+@functools.lru_cache(maxsize=256)  # asked once per call; a shape's table and so its answer rarely change
 def widths_worth_compiling(widths: tuple[int, ...], costs: tuple[float, ...], *, tree: bool = False,
                            gain: float = COMPILE_GAIN) -> tuple[int, ...]:
     """The fewest of `widths` (sorted, with c(w) `costs`) that choose within `gain` of the best of them all:
@@ -163,6 +164,7 @@ def widths_worth_compiling(widths: tuple[int, ...], costs: tuple[float, ...], *,
     w = np.asarray(widths)  # [W]
     scored = np.minimum(np.arange(w[-1])[:, None], w[None, :] - 1)  # [n drafts, W]: drafts each width scores
     a = _RATES[:, None, None]
+    # `expected_committed` in NumPy: its jnp ops would compile on a process's first call (0.4 s) for a few ms of work.
     committed = [(1.0 - a ** (scored + 1)) / np.maximum(1.0 - a, 1e-9)]  # [A, n, W]; the a = 1 limit is m + 1
     committed[0][-1] = scored + 1
     if tree:
