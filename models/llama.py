@@ -15,8 +15,11 @@ The layer stack runs one of two ways (`layer_loop`, chosen per platform by `defa
 layout JAX users know from MaxText and tpu-inference, where the layers' weights are stacked [L, ...] and one
 `lax.scan` runs them, so a forward compiles in time that does not grow with depth (the default off the CPU); or
 "unroll", separate per-layer arrays and a Python loop unrolled in the trace, the default on the CPU, where a scan's
-per-layer weight slices are materialised before each matmul and a one-row decode step costs 1.5-1.9x as much. The KV
-cache follows (`jaxspec.cache.KVCache`: stacked [B, L, ...] or per layer); `set_layer_loop` converts a model.
+per-layer weight slices are materialised before each matmul and a one-row decode step costs 1.5-1.9x as much.
+Unrolled layers alike are traced once (`_traced_once`): XLA still compiles each of them, but Python traces and
+lowers one layer per kind, much of a first call's time, and most of it when the programs come from the persistent
+compilation cache. The KV cache follows (`jaxspec.cache.KVCache`: stacked [B, L, ...] or per layer);
+`set_layer_loop` converts a model.
 
 Activations are [batch, tokens, features] and weights [out, in] (Hugging Face's order); q/k/v and gate/up are
 fused into one wider matmul each; attention contracts the G query heads and T new tokens of a KV head as one row
@@ -637,9 +640,8 @@ class Llama(nnx.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = tables[cfg.layer_rope(i)]
             window = None if cfg.layer_window(i) is None else (positions, cfg.layer_window(i))
-            # visible=None: the target's mask is built per cache block (`_attention_in_cache`).
-            x, ks[i], vs[i] = layer(x, cos, sin, ks[i], vs[i], lengths, None, attention_impl, tree_mask,
-                                    cached_slots, write_cache, window=window)
+            x, ks[i], vs[i] = _traced_once(layer, (x, cos, sin, ks[i], vs[i], lengths, tree_mask, window),
+                                           (attention_impl, cached_slots, write_cache))
             if i in return_layers:
                 saved.append(x)
         return x, tuple(ks), tuple(vs), saved
@@ -690,6 +692,30 @@ class Llama(nnx.Module):
             ks, vs = (a.swapaxes(0, 1) for a in new)  # [L, B, Hkv, T, hd] -> [B, L, Hkv, T, hd]
         saved = [outputs[i] for i in range(self.cfg.num_layers) if i in return_layers]
         return x, ks, vs, saved
+
+
+def _traced_once(layer: DecoderLayer, inputs: tuple, settings: tuple):
+    """`layer` over inputs (x, cos, sin, k_cache, v_cache, lengths, tree_mask, window) with settings
+    (attention_impl, cached_slots, write_cache), through one jitted function: layers of one structure, shapes and
+    settings share a single trace, so an unrolled stack traces one layer rather than every one of them. Nested in
+    the caller's jit it is inlined before XLA compiles, so the program is the same as tracing each layer; what it
+    saves is Python tracing and lowering, seconds of a first call for each verify width."""
+    graphdef, state = nnx.split(layer)
+    *arrays, window = inputs
+    positions, size = (None, None) if window is None else window
+    # The mesh rules are read while tracing (`jaxspec.sharding.constrain`): part of the key, so a trace made
+    # under one mesh is never reused under another.
+    return _layer_jit(graphdef, state, (*arrays, positions), (*settings, size, active()))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
+def _layer_jit(graphdef, state, inputs: tuple, settings: tuple):
+    x, cos, sin, k_cache, v_cache, lengths, tree_mask, positions = inputs
+    attention_impl, cached_slots, write_cache, size, _ = settings
+    window = None if size is None else (positions, size)
+    # visible=None: the target's mask is built per cache block (`_attention_in_cache`).
+    return nnx.merge(graphdef, state)(x, cos, sin, k_cache, v_cache, lengths, None, attention_impl, tree_mask,
+                                      cached_slots, write_cache, window=window)
 
 
 def default_layer_loop() -> LayerLoop:

@@ -2,6 +2,7 @@
 the same greedy tokens on the default model, for plain decoding and for speculative methods (chains with deferred
 cache writes, trees, EAGLE-3's layer features), with the same KV cache contents in its stacked layout."""
 
+import dataclasses
 import threading
 
 import jax
@@ -11,9 +12,11 @@ import pytest
 from flax import nnx
 
 import jaxspec
+from conftest import TINY
 from jaxspec import SpecConfig
 from jaxspec.cache import KVCache, write_new
-from jaxspec.models.llama import LAYER_LOOP_ENV, Llama, default_layer_loop, set_layer_loop
+from jaxspec.models.llama import LAYER_LOOP_ENV, DecoderLayer, Llama, default_layer_loop, set_layer_loop
+from jaxspec.models.rope import rope_tables
 
 PROMPTS = ["def fibonacci(n):\n", "Write a short note inviting the team to a planning meeting."]
 
@@ -55,6 +58,32 @@ def test_stacking_and_unstacking_keep_every_weight(tiny_lm):
     with pytest.raises(ValueError, match="layer_loop='loop'"):
         set_layer_loop(module, "loop")
 
+
+
+@pytest.mark.parametrize("kinds", [None, ("sliding_attention", "full_attention") * 2])
+def test_an_unrolled_stack_traces_each_kind_of_layer_once(monkeypatch, kinds):
+    """Unrolled layers alike share one trace (a first call traces one layer per verify width, not num_layers of
+    them), and layers of different windows trace apart: same logits as calling each layer in turn."""
+    cfg = dataclasses.replace(TINY, num_layers=4, sliding_window=3 if kinds else None, layer_types=kinds)
+    module = Llama(cfg, rngs=nnx.Rngs(1))
+    assert module.layer_loop == "unroll"
+    traced = []
+    call = DecoderLayer.__call__
+    monkeypatch.setattr(DecoderLayer, "__call__", lambda self, *a, **k: traced.append(1) or call(self, *a, **k))
+    jax.clear_caches()
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 10]], jnp.int32)
+    positions = jnp.arange(6, dtype=jnp.int32)[None]
+    out, _ = module(tokens, positions, module.new_cache(1, 16))
+    assert len(traced) == (2 if kinds else 1)
+
+    traced.clear()
+    x, cache = module.embed_tokens(tokens), module.new_cache(1, 16)  # the layers by hand, each traced apart
+    cos, sin = rope_tables(positions, cfg.layer_rope(0), cfg.head_dim)
+    for i, layer in enumerate(module.layers):
+        window = None if cfg.layer_window(i) is None else (positions, cfg.layer_window(i))
+        x, _, _ = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, None, "xla", None, window=window)
+    assert len(traced) == cfg.num_layers
+    np.testing.assert_allclose(out.logits, module.logits(module.norm(x)), rtol=1e-5, atol=1e-5)
 
 def test_write_new_into_a_stacked_layer_equals_the_layer_write():
     rng = np.random.default_rng(0)
