@@ -17,7 +17,7 @@ layout JAX users know from MaxText and tpu-inference, where the layers' weights 
 "unroll", separate per-layer arrays and a Python loop unrolled in the trace, the default on the CPU, where a scan's
 per-layer weight slices are materialised before each matmul and a one-row decode step costs 1.5-1.9x as much.
 Unrolled layers alike are traced once (`_traced_once`): XLA still compiles each of them, but Python traces and
-lowers one layer per kind, much of a first call's time, and most of it when the programs come from the persistent
+lowers one layer per kind: about half of a first call's time here when the programs come from the persistent
 compilation cache. The KV cache follows (`jaxspec.cache.KVCache`: stacked [B, L, ...] or per layer);
 `set_layer_loop` converts a model.
 
