@@ -35,9 +35,9 @@ def own_loop(lm: jaxspec.LanguageModel, prompt: str, spec: jaxspec.SpecConfig | 
     """Generate greedily for one prompt with the public loop. Returns (new token ids, drafted, accepted, s)."""
     p = jaxspec.prepare(lm, [prompt], max_new_tokens=max_new_tokens, spec=spec)
     t0 = time.perf_counter()
-    state = jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
-                            p.proposer_params, proposer=p.proposer, cache_len=p.cache_len, buffer_len=p.buffer_len)
-    state = jaxspec.decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, step=p.step)
+    state = jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params,
+                            spec=p.prefill_spec)
+    state = jaxspec.decode(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step)
     tokens, counts = p.new_tokens(state)  # i32[1, max_new_tokens] (-1 padded), i32[1]
     seconds = time.perf_counter() - t0  # compilation included: this runs once
     drafted, accepted = int(state.counters.drafted.sum()), int(state.counters.accepted.sum())

@@ -10,10 +10,11 @@ of completions per prompt for RL (`jaxspec.rollouts`).
 from .cache import KVCache
 from .compilation_cache import enable_compilation_cache
 from .constraints import Choice, JsonSchema, Regex
-from .decode import StepSpec, decode, decode_chunk, prefill, spec_step
+from .decode import PrefillSpec, StepSpec, decode, decode_chunk, prefill, spec_step
 from .generation import GenerateResult, GenerateStats, Prepared, RowStats, generate, prepare
 from .logprobs import TokenLogprob
 from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_model
+from .processors import ProcessorRequest
 from .proposers import StaticSuffixAutomaton
 from .rejection import rejection_sample
 from .rollouts import RolloutResult, RolloutStats, rollout, sample_seeds
@@ -21,25 +22,29 @@ from .sampling import process_logits, processed_probs, sample
 from .sampling_params import SamplingParams
 from .score import ScoreResult, score, score_arrays
 from .spec_config import SpecConfig
-from .state import DecodeState, RowLimits
+from .state import DecodeState, RowLimits, RowParams
 from .target import TargetModel, check_target
-from .tree import TreeTopology, verify_tree
+from .tree import DraftTree, TreeTopology, verify_tree
 
 __all__ = [
     "Choice",
     "DEFAULT_MODEL",
     "DecodeState",
+    "DraftTree",
     "GenerateResult",
     "GenerateStats",
     "JsonSchema",
     "KVCache",
     "LanguageModel",
     "NAMED_MODELS",
+    "PrefillSpec",
     "Prepared",
+    "ProcessorRequest",
     "Regex",
     "RolloutResult",
     "RolloutStats",
     "RowLimits",
+    "RowParams",
     "RowStats",
     "SamplingParams",
     "ScoreResult",

@@ -24,13 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import cost, sharding
-from . import logprobs as lp
-from .constraints import rows as constraint_rows
-from .penalties import TokenCounts, penalize_scored
+from .processors import ProcessorRequest
 from .proposers.base import ChainProposer, Committed, Context, Draft, Proposer
 from .sampling import row_keys, sample
-from .sampling_params import SamplingParams
-from .state import DecodeState, RowLimits, SpecCounters
+from .state import DecodeState, RowLimits, RowParams, SpecCounters
 from .tree import depths
 from .verification import Drafts, Scoring, Verified, feature_layers, layer_request, target_features, verify
 
@@ -73,47 +70,46 @@ def _is_stop(tokens: jax.Array, limits: RowLimits) -> jax.Array:
     return jnp.any(tokens[..., None] == stop, axis=-1)
 
 
-def _context(state: DecodeState, sampling: SamplingParams, limits: RowLimits, k: int) -> Context:
+def _context(state: DecodeState, rows: RowParams, k: int) -> Context:
     # A row may draft at most one token fewer than it still may emit: the target adds one token of its own.
+    limits = rows.limits
     room = limits.max_new_tokens - state.num_generated - 1
     cap = k if limits.draft_cap is None else jnp.clip(limits.draft_cap, 0, k)
     max_draft = jnp.where(state.done, 0, jnp.clip(room, 0, cap))
-    return Context(history=state.history, history_len=state.history_len, max_draft=max_draft, sampling=sampling,
+    return Context(history=state.history, history_len=state.history_len, max_draft=max_draft, sampling=rows.sampling,
                    positions=state.cache.lengths, active=~state.done, constraint=state.constraint)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len", "num_top_logprobs",
-                                             "group_size", "track_counts"))
-def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams,
-            limits: RowLimits, proposer_params=None, logprob_rows: jax.Array | None = None,
-            logprobs_processed: jax.Array | None = None, constraint: constraint_rows.ConstraintRows | None = None, *,
-            proposer: Proposer = NoProposer(), cache_len: int,
-            buffer_len: int, num_top_logprobs: int = 0, group_size: int = 1,
-            track_counts: bool = False) -> DecodeState:
+@dataclasses.dataclass(frozen=True)
+class PrefillSpec:
+    """How `prefill` lays out a batch: static, part of the program's identity (`Prepared.prefill_spec` is
+    generate's)."""
+
+    cache_len: int  # KV cache slots S per row
+    buffer_len: int  # output slots N after the prompt bucket: the history is P + N wide
+    proposer: Proposer = NoProposer()  # initialised from the prompts (its features, when it reads them)
+    # G > 1: each prompt starts G consecutive rows (B = P * G: row p * G + g is sample g of prompt p), its K/V
+    # computed once and copied into the group's rows
+    group_size: int = 1
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, rows: RowParams, proposer_params=None,
+            processors: ProcessorRequest = ProcessorRequest(), *, spec: PrefillSpec) -> DecodeState:
     """Run the prompts (right-padded i32[P, W], true lengths i32[P]), sample each row's first token and
-    initialise the proposer.
+    initialise the proposer and the processors.
 
-    With `group_size` G > 1 each prompt starts G consecutive rows (B = P * G: row p * G + g is sample g of
-    prompt p): the prompt runs through the target once and its K/V is copied into the group's rows, which then
-    sample their first tokens with their own seeds. `sampling`, `limits` and the logprob arrays have B rows.
-
-    With `logprob_rows` (bool[B]) the state records the log-probability of every token the marked rows
-    generate, and the `num_top_logprobs` most likely tokens at each position (`jaxspec.logprobs`): under the
-    target's raw distribution, or, for rows marked in `logprobs_processed` (bool[B]), under the distribution the
-    row samples from (after penalties, temperature, top-k, top-p, min-p).
-
-    With `constraint` (one state per row, `jaxspec.constraints.rows`) each row decodes under its constraint: the
-    first token is drawn from the masked distribution and every later position is masked the same way.
-
-    With `track_counts` the state counts each row's prompt and output tokens, and every row's presence,
-    frequency and repetition penalties (`sampling`) apply at every position (`jaxspec.penalties`); without it
-    the penalties are ignored, so a caller whose rows ask for one must set it.
+    `rows` (each row's sampling and limits) and the arrays of `processors` (`jaxspec.processors`: log-probabilities,
+    penalties, constraints) have B rows: P, or P * G with `spec.group_size` G > 1, where the group's rows sample
+    their first tokens with their own seeds. A constrained row's first token is drawn from the masked
+    distribution; penalties apply only with `processors.track_counts`.
 
     Padding tokens write K/V past a row's length; the length never covers them, so they are overwritten.
     """
     model = nnx.merge(graphdef, params)
+    proposer, group_size = spec.proposer, spec.group_size
     num_prompts, width = prompts.shape
-    cache = model.new_cache(num_prompts, cache_len)
+    cache = model.new_cache(num_prompts, spec.cache_len)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_prompts, width))
     # Prefill keeps the XLA attention: the kernel is built for the few new tokens of a verification step.
     layers = feature_layers(proposer)
@@ -126,32 +122,22 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, sampli
             lambda x: jnp.repeat(x, group_size, axis=0), (logits, hidden, prompts, prompt_lens, cache))
     batch = prompts.shape[0]
     cache = cache.advance(prompt_lens)
-    counts = TokenCounts.of_prompts(prompts, prompt_lens, logits.shape[-1]) if track_counts else None
+    sampling, limits = rows.sampling, rows.limits
+    procs = processors.start(prompts, prompt_lens, logits.shape[-1], width + spec.buffer_len)
     # The first token's position has seen the prompt and no output.
-    no_drafts = jnp.zeros((batch, 1), jnp.int32)
-    adjusted = penalize_scored(logits, counts, no_drafts, None, sampling)  # f32[B, 1, V]
-    adjusted = constraint_rows.constrain_scored(adjusted, constraint, no_drafts, None, limits.stop_ids)
+    adjusted = procs.adjust(logits, jnp.zeros((batch, 1), jnp.int32), sampling, limits.stop_ids)  # f32[B, 1, V]
     first = sample(row_keys(sampling.seed, cache.lengths), adjusted[:, 0], sampling)
-    one = jnp.ones((batch,), jnp.int32)
-    if counts is not None:
-        counts = counts.add(first[:, None], one)
-    constraint = constraint_rows.commit(constraint, first[:, None], one)
-    history = jnp.zeros((batch, width + buffer_len), jnp.int32).at[:, :width].set(prompts)
+    everyone = jnp.ones((batch,), bool)
+    scored = procs.read(everyone, lambda: (logits, adjusted), first[:, None], sampling)
+    procs = procs.commit(first[:, None], jnp.ones((batch,), jnp.int32), prompt_lens[:, None], scored)
+    history = jnp.zeros((batch, width + spec.buffer_len), jnp.int32).at[:, :width].set(prompts)
     history = history.at[jnp.arange(batch), prompt_lens].set(first)
     done = _is_stop(first, limits) | (limits.max_new_tokens <= 1)
-    logprobs = None
-    if logprob_rows is not None:
-        logprobs = lp.LogprobBuffer.zeros(logprob_rows, width + buffer_len, num_top_logprobs, logprobs_processed)
-        scored = lp.record(logprobs, jnp.ones((batch,), bool),
-                           lambda: lp.score(logits, first[:, None], num_top_logprobs, sampling, logprobs.processed,
-                                            adjusted))
-        logprobs = lp.write(logprobs, prompt_lens[:, None], scored)
     state = DecodeState(cache=cache, history=history, history_len=prompt_lens + 1, prompt_len=prompt_lens,
                         from_draft=jnp.zeros(history.shape, bool), done=done, steps=jnp.zeros((), jnp.int32), pstate=(),
-                        counters=SpecCounters.zeros(batch, proposer.num_speculative_tokens, buffer_len),
-                        logprobs=logprobs, counts=counts, constraint=constraint)
-    k = proposer.num_speculative_tokens
-    ctx = _context(state, sampling, limits, k)
+                        counters=SpecCounters.zeros(batch, proposer.num_speculative_tokens, spec.buffer_len))
+    state = state.with_processors(procs)
+    ctx = _context(state, rows, proposer.num_speculative_tokens)
     if proposer.needs_features:
         ctx = ctx.replace(features=hidden)
     return pinned(state.replace(pstate=proposer.init(proposer_params, ctx)))
@@ -241,77 +227,75 @@ def commit(state: DecodeState, verified: Verified, limits: RowLimits) -> tuple[D
     slots = jnp.where(kept, state.history_len[:, None] + j, state.history.shape[1])  # out of bounds: dropped
     history_len = state.history_len + keep
     finished = jnp.any(is_stop & kept, axis=1) | (history_len - state.prompt_len >= limits.max_new_tokens)
+    processors = state.processors.commit(verified.tokens, keep, slots, verified.logprobs)
     new = state.replace(
         cache=verified.cache.advance(keep),
         history=state.history.at[rows, slots].set(verified.tokens, mode="drop"),
         history_len=history_len,
         from_draft=state.from_draft.at[rows, slots].set(j < accepted[:, None], mode="drop"),
         done=state.done | (active & finished),
-        steps=state.steps + 1,
-        counts=None if state.counts is None else state.counts.add(verified.tokens, keep),
-        constraint=constraint_rows.commit(state.constraint, verified.tokens, keep),
-        logprobs=None if verified.logprobs is None else lp.write(state.logprobs, slots, verified.logprobs))
+        steps=state.steps + 1).with_processors(processors)
     return new, keep, accepted
 
 
-def propose_once(proposer: Proposer, proposer_params, state: DecodeState, sampling: SamplingParams,
-                 limits: RowLimits):
+def propose_once(proposer: Proposer, proposer_params, state: DecodeState, rows: RowParams):
     """What `proposer.propose` returns at `state`, called with the context and keys `spec_step` gives it.
 
     Nothing is scored or committed. For inspecting drafts, and for checking a proposer's output shapes with
     `jax.eval_shape` before anything compiles. Returns propose's result as is: (Draft, new proposer state).
     """
-    ctx = _context(state, sampling, limits, proposer.num_speculative_tokens)
-    return proposer.propose(proposer_params, state.pstate, ctx, row_keys(sampling.seed, state.cache.lengths))
+    ctx = _context(state, rows, proposer.num_speculative_tokens)
+    return proposer.propose(proposer_params, state.pstate, ctx, row_keys(rows.sampling.seed, state.cache.lengths))
 
 
-def spec_step(model, step: StepSpec, proposer_params, state: DecodeState, sampling: SamplingParams,
-              limits: RowLimits, verify_cost: jax.Array | None = None) -> DecodeState:
+def spec_step(model, step: StepSpec, proposer_params, state: DecodeState, rows: RowParams,
+              verify_cost: jax.Array | None = None) -> DecodeState:
     """Propose, score, verify, commit: one step for every row (finished rows ride along and commit nothing).
 
     `model` is the merged target module (`lm.module`, or `nnx.merge(lm.graphdef, lm.params)` inside jit);
-    `step` the proposer, verify widths and attention (`Prepared.step`); `verify_cost` f32[len(widths)] the
+    `step` the proposer, verify widths and attention (`Prepared.step`); `rows` each row's sampling and limits
+    (`Prepared.rows`); `verify_cost` f32[len(widths)] the
     measured cost of each width (`Prepared.verify_cost`), or None for the narrowest width holding the drafts.
     Not jitted itself: call it inside your own jitted function or loop. Returns the new state.
     """
     proposer, widths = step.proposer, step.widths
     k = proposer.num_speculative_tokens
-    ctx = _context(state, sampling, limits, k)
-    draft, pstate = proposer.propose(proposer_params, state.pstate, ctx, row_keys(sampling.seed, state.cache.lengths))
+    ctx = _context(state, rows, k)
+    draft, pstate = proposer.propose(proposer_params, state.pstate, ctx,
+                                     row_keys(rows.sampling.seed, state.cache.lengths))
     draft, in_vocab = _replace_out_of_vocab(draft, model.cfg.vocab_size)
     num_draft = _num_draft(draft, in_vocab, ctx.max_draft, k)  # i32[B]
     node_depth = None if draft.parents is None else depths(draft.parents)  # i32[B, K+1], the root included
-    choice = _width_choice(widths, num_draft, state, draft, limits, verify_cost)
+    choice = _width_choice(widths, num_draft, state, draft, rows.limits, verify_cost)
     num_draft = jnp.minimum(num_draft, jnp.asarray(widths, jnp.int32)[choice] - 1)  # drafts past it wait
 
     drafts = Drafts(draft=draft, num=num_draft, in_vocab=in_vocab, node_depth=node_depth, max_draft=ctx.max_draft)
-    verified = verify(Scoring.of(model, proposer, widths, step.attention_impl), state, drafts, sampling, widths,
-                      choice, limits)
-    new, keep, accepted = commit(state, verified, limits)
+    verified = verify(Scoring.of(model, proposer, widths, step.attention_impl), state, drafts, rows, widths, choice)
+    new, keep, accepted = commit(state, verified, rows.limits)
     counters = state.counters.record(~state.done, num_draft, _draft_depth(num_draft, node_depth, ctx.max_draft, k),
                                      accepted, keep)
     new = new.replace(counters=counters)
 
     kept = jnp.arange(k + 1) < keep[:, None]  # bool[B, K+1]
     committed = Committed(tokens=jnp.where(kept, verified.tokens, -1), num=keep, features=verified.features)
-    return new.replace(pstate=proposer.update(proposer_params, pstate, _context(new, sampling, limits, k), committed))
+    return new.replace(pstate=proposer.update(proposer_params, pstate, _context(new, rows, k), committed))
 
 
-def _loop(model, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params, step: StepSpec,
-          last_step: jax.Array, verify_cost: jax.Array | None) -> DecodeState:
+def _loop(model, state: DecodeState, rows: RowParams, proposer_params, step: StepSpec, last_step: jax.Array,
+          verify_cost: jax.Array | None) -> DecodeState:
     """Steps until every row is done or the loop's step counter reaches `last_step`."""
     def cond(s: DecodeState):
         return ~jnp.all(s.done) & (s.steps < last_step)
 
     def body(s: DecodeState):
-        return pinned(spec_step(model, step, proposer_params, s, sampling, limits, verify_cost))
+        return pinned(spec_step(model, step, proposer_params, s, rows, verify_cost))
 
     return jax.lax.while_loop(cond, body, pinned(state))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "step"), donate_argnames=("state",))
-def decode(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits, proposer_params=None,
-           *, step: StepSpec = StepSpec(), verify_cost: jax.Array | None = None) -> DecodeState:
+def decode(graphdef, params, state: DecodeState, rows: RowParams, proposer_params=None, *,
+           step: StepSpec = StepSpec(), verify_cost: jax.Array | None = None) -> DecodeState:
     """Decode until every row is done, as one `lax.while_loop` on the device; returns the final state.
 
     `state` is donated: its buffers are reused for the result, so do not read the state you passed in.
@@ -319,18 +303,17 @@ def decode(graphdef, params, state: DecodeState, sampling: SamplingParams, limit
     each step's width cost-aware.
     """
     max_steps = state.counters.committed.shape[1]
-    return _loop(nnx.merge(graphdef, params), state, sampling, limits, proposer_params, step,
-                 jnp.asarray(max_steps, jnp.int32), verify_cost)
+    return _loop(nnx.merge(graphdef, params), state, rows, proposer_params, step, jnp.asarray(max_steps, jnp.int32),
+                 verify_cost)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "step", "num_steps"), donate_argnames=("state",))
-def decode_chunk(graphdef, params, state: DecodeState, sampling: SamplingParams, limits: RowLimits,
-                 proposer_params=None, *, step: StepSpec = StepSpec(), num_steps: int,
-                 verify_cost: jax.Array | None = None) -> DecodeState:
+def decode_chunk(graphdef, params, state: DecodeState, rows: RowParams, proposer_params=None, *,
+                 step: StepSpec = StepSpec(), num_steps: int, verify_cost: jax.Array | None = None) -> DecodeState:
     """At most `num_steps` more steps, fewer once every row is done: the serving engine's unit of work.
 
     Between chunks the host streams what rows committed, admits requests into free rows and retires finished
     ones; the state (cache, histories, proposer state) stays on the device and is updated in place.
     """
-    return _loop(nnx.merge(graphdef, params), state, sampling, limits, proposer_params, step,
-                 state.steps + num_steps, verify_cost)
+    return _loop(nnx.merge(graphdef, params), state, rows, proposer_params, step, state.steps + num_steps,
+                 verify_cost)

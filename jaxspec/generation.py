@@ -21,17 +21,18 @@ from . import cost, predicted, sharding
 from .builders import build_proposer
 from .cache import kv_bytes_per_slot
 from .constraints import rows as constraint_rows
-from .decode import StepSpec, decode, prefill, propose_once
+from .decode import PrefillSpec, StepSpec, decode, prefill, propose_once
 from .limits import check_prompt, eos_ids, is_token_list, stop_ids, stop_table
 from .logprobs import TokenLogprob, to_host
 from .methods import forced_token_budget
 from .models.loading import LanguageModel
 from .penalties import any_penalty
+from .processors import ProcessorRequest
 from .proposers.base import Draft, Proposer, drafts_chains
 from .sampling_params import SamplingParams
 from .shapes import CACHE_ALIGN, bucket_shapes, widths_for_cost_choice, widths_for_forced_text, widths_for_long_drafts
 from .spec_config import SpecConfig
-from .state import RowLimits, mean_acceptance_length
+from .state import RowLimits, RowParams, mean_acceptance_length
 from .text import TextStream
 from .validation import is_integer, short_repr
 
@@ -366,13 +367,11 @@ class Prepared:
 
     Arrays live on the device; the rest are static arguments. `generate` runs exactly this:
 
-        state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
-                        p.proposer_params, p.logprob_rows, constraint=p.constraint, proposer=p.proposer,
-                        cache_len=p.cache_len, buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs,
-                        track_counts=p.track_counts)
+        state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params,
+                        p.processors, spec=p.prefill_spec)
         if p.predictions is not None:
             state = jaxspec.predicted.install(state, p.predictions)
-        state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, step=p.step,
+        state = decode(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step,
                        verify_cost=p.verify_cost)
         tokens, counts = p.new_tokens(state)
     """
@@ -394,13 +393,29 @@ class Prepared:
     track_counts: bool = False  # some row has a penalty: the state counts tokens (`jaxspec.penalties`)
     # generate's prediction=: install them after prefill (`predicted.install`); the proposer drafts from them
     predictions: predicted.Predictions | None = None
-    # generate's constraint=: each row's automaton state and the batch's automata, for `prefill(constraint=)`
+    # generate's constraint=: each row's automaton state and the batch's automata (`Prepared.processors`)
     constraint: constraint_rows.ConstraintRows | None = None
 
     @property
     def batch_size(self) -> int:
         """B, the number of rows."""
         return self.prompts.shape[0]
+
+    @property
+    def rows(self) -> RowParams:
+        """Each row's sampling settings and limits (`prefill`'s and `decode`'s `rows`)."""
+        return RowParams(sampling=self.sampling, limits=self.limits)
+
+    @property
+    def processors(self) -> ProcessorRequest:
+        """The processors the batch runs (`prefill`'s `processors`): log-probabilities, penalties, constraints."""
+        return ProcessorRequest(logprob_rows=self.logprob_rows, constraint=self.constraint,
+                                num_top_logprobs=self.num_top_logprobs, track_counts=self.track_counts)
+
+    @property
+    def prefill_spec(self) -> PrefillSpec:
+        """How prefill lays out the batch (`prefill`'s `spec=`): the proposer, cache and output slots."""
+        return PrefillSpec(cache_len=self.cache_len, buffer_len=self.buffer_len, proposer=self.proposer)
 
     @property
     def step(self) -> StepSpec:
@@ -423,14 +438,12 @@ def _new_tokens(history: np.ndarray, history_len: np.ndarray, prompt_lens: np.nd
     return tokens.astype(np.int32), counts
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cache_len", "buffer_len"))
-def _first_draft(params, prompts, prompt_lens, sampling, limits, proposer_params, *, graphdef, proposer,
-                 cache_len: int, buffer_len: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _first_draft(params, prompts, prompt_lens, rows, proposer_params, *, graphdef, spec: PrefillSpec):
     """What the proposer returns at the first decode step. Only its shapes are taken (`.eval_shape`): jit
     caches the trace, so a repeated call with the same shapes and proposer traces nothing."""
-    state = prefill(graphdef, params, prompts, prompt_lens, sampling, limits, proposer_params, proposer=proposer,
-                    cache_len=cache_len, buffer_len=buffer_len)
-    return propose_once(proposer, proposer_params, state, sampling, limits)
+    state = prefill(graphdef, params, prompts, prompt_lens, rows, proposer_params, spec=spec)
+    return propose_once(spec.proposer, proposer_params, state, rows)
 
 
 def _check_draft_field(proposer, name: str, got, want: tuple[int, ...] | None, kind, optional: bool) -> None:
@@ -452,9 +465,8 @@ def check_draft_shapes(lm: LanguageModel, prepared: "Prepared") -> None:
     probs None or [B, K, V] float, parents None or [B, K] int, confidence None or [B, K] float."""
     p = prepared
     proposer = p.proposer
-    out = _first_draft.eval_shape(lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
-                                  graphdef=lm.graphdef, proposer=proposer, cache_len=p.cache_len,
-                                  buffer_len=p.buffer_len)
+    out = _first_draft.eval_shape(lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params,
+                                  graphdef=lm.graphdef, spec=p.prefill_spec)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Draft)):
         raise ValueError(f"proposer {short_repr(proposer)}: propose must return (Draft, state); got {out!r}")
     draft = out[0]
@@ -643,14 +655,13 @@ def _generate(lm: LanguageModel, req: _Request, p: Prepared) -> GenerateResult:
     """`generate`'s prefill and decode loop over a prepared request, and its result."""
     t0 = time.perf_counter()
     with sharding.use_rules(lm.mesh, lm.rules):
-        state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
-                        p.logprob_rows, constraint=p.constraint, proposer=p.proposer, cache_len=p.cache_len,
-                        buffer_len=p.buffer_len, num_top_logprobs=p.num_top_logprobs, track_counts=p.track_counts)
+        state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params, p.processors,
+                        spec=p.prefill_spec)
         if p.predictions is not None:
             state = predicted.install(state, p.predictions)
         jax.block_until_ready(state.history)
         t1 = time.perf_counter()
-        state = decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, step=p.step,
+        state = decode(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step,
                        verify_cost=p.verify_cost)
         history, history_len, steps, counters, buffer, pstate = jax.device_get(
             (state.history, state.history_len, state.steps, state.counters, state.logprobs, state.pstate))

@@ -1,5 +1,6 @@
 """The decode loop's state on the device: `DecodeState` (the batch's cache, histories and proposer state),
-`RowLimits` (when each row stops) and `SpecCounters` (what each row drafted and accepted)."""
+`RowParams` (each row's sampling settings and `RowLimits`, when it stops) and `SpecCounters` (what each row
+drafted and accepted)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from . import logprobs as lp
 from .cache import KVCache
 from .constraints import rows as constraint_rows
 from .penalties import TokenCounts
+from .processors import Processors
+from .sampling_params import SamplingParams
 
 
 @flax.struct.dataclass
@@ -26,6 +29,15 @@ class RowLimits:
     # setting, so a caller can turn speculation down or off between chunks without recompiling (rollouts do
     # as rows finish and the verify cost of the shrinking batch changes).
     draft_cap: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class RowParams:
+    """Each row's own parameters, arrays [B, ...] the loop reads at every step: how the row samples and when it
+    stops. Data, not static settings, so rows with different requests share one compiled loop."""
+
+    sampling: SamplingParams
+    limits: RowLimits
 
 
 @flax.struct.dataclass
@@ -92,10 +104,20 @@ class DecodeState:
     pstate: Any  # the proposer's per-row state
     counters: SpecCounters
     logprobs: lp.LogprobBuffer | None = None  # beside `history`, when a row asked for log-probabilities
-    # each row's token counts, when the batch tracks them for penalties (`prefill(track_counts=True)`)
+    # each row's token counts, when the batch tracks them for penalties (`ProcessorRequest.track_counts`)
     counts: TokenCounts | None = None
     # each row's constraint state and the batch's automata, when some row decodes under a constraint
     constraint: constraint_rows.ConstraintRows | None = None
+
+    @property
+    def processors(self) -> Processors:
+        """The processors' states (`jaxspec.processors`): token counts, constraints, log-probabilities."""
+        return Processors(counts=self.counts, constraint=self.constraint, logprobs=self.logprobs)
+
+    def with_processors(self, processors: Processors) -> "DecodeState":
+        """The state holding `processors`' states."""
+        return self.replace(counts=processors.counts, constraint=processors.constraint,
+                            logprobs=processors.logprobs)
 
     @property
     def num_generated(self) -> jax.Array:

@@ -7,9 +7,10 @@ the token at position positions + d - 1, and the target's logits after it, targe
 children. node_valid bool[B, K] marks the nodes that may be accepted (closed under ancestors); draft_probs
 f32[B, K, V], when given, is indexed by node: draft_probs[:, j] is what node j's children were drawn from.
 
-`verify_tree` walks one root-to-node path and emits the accepted drafts and one target token; `gather_path`
-then moves the path's K/V to contiguous cache slots. docs/concepts/draft-trees.md describes the layout and
-docs/concepts/losslessness.md the verification rules, their proof and the random streams.
+A `DraftTree` holds those four arrays. `verify_tree` walks one root-to-node path and emits the accepted drafts
+and one target token; `gather_path` then moves the path's K/V to contiguous cache slots.
+docs/concepts/draft-trees.md describes the layout and docs/concepts/losslessness.md the verification rules,
+their proof and the random streams.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .sampling_params import SamplingParams
 from .validation import is_integer
 
 __all__ = [
+    "DraftTree",
     "TreeTopology",
     "ancestor_mask",
     "depths",
@@ -365,6 +367,17 @@ def _follow(target: jax.Array, tokens: jax.Array, parents: jax.Array, eligible: 
     return path
 
 
+class DraftTree(NamedTuple):
+    """One draft tree per row, as `verify_tree` takes it (the layout in this module's docstring)."""
+
+    tokens: jax.Array  # i32[B, K] node i+1's token
+    parents: jax.Array  # i32[B, K] node i+1's parent, in [0, i]
+    node_valid: jax.Array  # bool[B, K] nodes that may be accepted, closed under ancestors
+    # f32[B, K, V] by node (`draft_probs[:, j]`: what node j's children were drawn from, i.i.d.), or None for
+    # deterministic drafts
+    draft_probs: jax.Array | None = None
+
+
 class _Walk(NamedTuple):
     """Recursive rejection state while walking down the tree."""
 
@@ -376,14 +389,16 @@ class _Walk(NamedTuple):
     from_p: jax.Array  # bool[B] nothing was subtracted at cur: a last token here comes from p itself
 
 
-def _recursive_rejection(keys, positions, z, tokens, parents, eligible, depth, draft_probs, max_depth):
-    """(path i32[B, D+1], last token i32[B]) of recursive rejection sampling over i.i.d. siblings."""
-    batch, k = tokens.shape
+def _recursive_rejection(keys, positions, z, tree: DraftTree, eligible, depth, max_depth):
+    """(path i32[B, D+1], last token i32[B]) of recursive rejection sampling over i.i.d. siblings, for the
+    processed logits z f32[B, K+1, V] and the eligible nodes bool[B, K] at their depths i32[B, K+1]."""
+    batch, k = tree.tokens.shape
     vocab = z.shape[-1]
+    parents = tree.parents
     lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
     p = jnp.exp(z - lse)  # f32[B, K+1, V], computed as rejection.py does so a chain matches it bit for bit
-    draft_probs = draft_probs.astype(jnp.float32)
-    tokens = jnp.clip(tokens, 0, vocab - 1)  # ineligible garbage must still index safely
+    draft_probs = tree.draft_probs.astype(jnp.float32)
+    tokens = jnp.clip(tree.tokens, 0, vocab - 1)  # ineligible garbage must still index safely
 
     def uniform(key, position, sibling):
         return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, position), _ACCEPT_STREAM + sibling))
@@ -450,11 +465,11 @@ def _emit(tokens: jax.Array, path: jax.Array, last: jax.Array) -> tuple[jax.Arra
     return out.astype(jnp.int32), (n + 1).astype(jnp.int32)
 
 
-def _check_verify_inputs(keys, target_logits, tokens, parents, node_valid, draft_probs, positions,
-                         max_depth) -> None:
+def _check_verify_inputs(keys, target_logits, tree: DraftTree, positions, max_depth) -> None:
     batch, width, vocab = target_logits.shape
     nodes = (batch, width - 1)
-    for name, x in (("tokens", tokens), ("parents", parents), ("node_valid", node_valid)):
+    draft_probs = tree.draft_probs
+    for name, x in (("tokens", tree.tokens), ("parents", tree.parents), ("node_valid", tree.node_valid)):
         if x.shape != nodes:
             raise ValueError(f"{name} must have shape [B, K]={nodes} to match {target_logits.shape=}, "
                              f"got {name}.shape={x.shape}")
@@ -468,8 +483,7 @@ def _check_verify_inputs(keys, target_logits, tokens, parents, node_valid, draft
         raise ValueError(f"max_depth={max_depth!r} must be a static integer in [0, K={width - 1}]")
 
 
-def verify_tree(keys: jax.Array, target_logits: jax.Array, tokens: jax.Array, parents: jax.Array,
-                node_valid: jax.Array, draft_probs: jax.Array | None, sampling: SamplingParams, *,
+def verify_tree(keys: jax.Array, target_logits: jax.Array, tree: DraftTree, sampling: SamplingParams, *,
                 positions: jax.Array | None = None,
                 max_depth: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Verify each row's draft tree against the target: accept one root-to-node path, then one target token.
@@ -481,11 +495,8 @@ def verify_tree(keys: jax.Array, target_logits: jax.Array, tokens: jax.Array, pa
     Args:
       keys: key[B], one base key per row (plain decoding's `jax.random.key(seed)`).
       target_logits: f32[B, K+1, V] raw target logits after node j (node 0 the root).
-      tokens: i32[B, K] node i+1's token.
-      parents: i32[B, K] node i+1's parent, in [0, i].
-      node_valid: bool[B, K] nodes that may be accepted, closed under ancestors.
-      draft_probs: f32[B, K, V] by node (`draft_probs[:, j]`: what node j's children were drawn from, i.i.d.),
-        or None for deterministic drafts (top-k candidates, lookups).
+      tree: the draft tree (`DraftTree`): its nodes' tokens and parents, which may be accepted, and what they
+        were drawn from (None for deterministic drafts: top-k candidates, lookups).
       sampling: scalars or per-row arrays [B]; temperatures below GREEDY_BELOW (0 included) are greedy.
       positions: i32[B] absolute position of each row's first output token (None: 0).
       max_depth: static D in [0, K] (None: K); nodes deeper than D are never accepted.
@@ -494,18 +505,19 @@ def verify_tree(keys: jax.Array, target_logits: jax.Array, tokens: jax.Array, pa
       (path i32[B, D+1] accepted node indices from the root, `path[:, 0] = 0`, -1 padded; output tokens
       i32[B, D+1], the accepted drafts then one target token, -1 padded; their count i32[B] in [1, D+1]).
     """
-    target_logits, tokens, parents, node_valid = map(jnp.asarray, (target_logits, tokens, parents, node_valid))
-    draft_probs = None if draft_probs is None else jnp.asarray(draft_probs)
+    target_logits = jnp.asarray(target_logits)
+    tree = DraftTree(*(None if x is None else jnp.asarray(x) for x in tree))
     positions = None if positions is None else jnp.asarray(positions)
     _check_rank("target_logits", target_logits, 3, "[B, K+1, V]")
     max_depth = target_logits.shape[1] - 1 if max_depth is None else max_depth
-    _check_verify_inputs(keys, target_logits, tokens, parents, node_valid, draft_probs, positions, max_depth)
+    _check_verify_inputs(keys, target_logits, tree, positions, max_depth)
     batch = target_logits.shape[0]
-    tokens, parents = tokens.astype(jnp.int32), parents.astype(jnp.int32)
+    tree = tree._replace(tokens=tree.tokens.astype(jnp.int32), parents=tree.parents.astype(jnp.int32))
+    tokens, parents = tree.tokens, tree.parents
     positions = jnp.zeros((batch,), jnp.int32) if positions is None else positions.astype(jnp.int32)
     depth = depths(parents)  # i32[B, K+1]
     # The path must fit its D + 1 outputs; invalid nodes never hold it.
-    eligible = node_valid.astype(bool) & (depth[:, 1:] <= max_depth)  # bool[B, K]
+    eligible = tree.node_valid.astype(bool) & (depth[:, 1:] <= max_depth)  # bool[B, K]
 
     def greedy():
         best = argmax(target_logits)  # i32[B, K+1]
@@ -513,10 +525,9 @@ def verify_tree(keys: jax.Array, target_logits: jax.Array, tokens: jax.Array, pa
         return path, _at(best, jnp.max(path, axis=1))  # the final node has the path's largest index
 
     def sampled():
-        if draft_probs is not None:
+        if tree.draft_probs is not None:
             z = process_logits(target_logits, sampling)  # f32[B, K+1, V], -inf outside the kept tokens
-            return _recursive_rejection(keys, positions, z, tokens, parents, eligible, depth, draft_probs,
-                                        max_depth)
+            return _recursive_rejection(keys, positions, z, tree, eligible, depth, max_depth)
         t = _target_samples(keys, positions, target_logits, sampling, depth, max_depth)  # i32[B, K+1]
         path = _follow(t, tokens, parents, eligible, depth, max_depth)
         return path, _at(t, jnp.max(path, axis=1))

@@ -17,13 +17,10 @@ import jax.numpy as jnp
 
 from . import logprobs as lp
 from .cache import KVCache, write_new
-from .constraints import rows as constraint_rows
-from .penalties import penalize_scored
 from .proposers.base import Draft, Proposer
 from .rejection import rejection_sample
-from .sampling_params import SamplingParams
-from .state import DecodeState, RowLimits
-from .tree import gather_nodes, gather_path, tree_ancestor_mask, verify_tree
+from .state import DecodeState, RowParams
+from .tree import DraftTree, gather_nodes, gather_path, tree_ancestor_mask, verify_tree
 
 
 def feature_layers(proposer: Proposer) -> tuple[int, ...] | None:
@@ -101,22 +98,9 @@ def _verified(tokens: jax.Array, num: jax.Array, cache: KVCache, features: jax.A
     tokens = jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=-1)
     if features is not None:
         features = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
+    if logprobs is not None:
+        logprobs = logprobs.pad(k + 1)
     return Verified(tokens=tokens, num=num, cache=cache, features=features, logprobs=logprobs)
-
-
-def _logprobs_of(state: DecodeState, logits_fn, tokens: jax.Array, sampling: SamplingParams,
-                 k: int) -> lp.Scored | None:
-    """The log-probabilities of output tokens i32[B, W], padded to K + 1, from `logits_fn()`: the raw logits
-    f32[B, W, V] and those the rows sampled from before temperature and truncation (penalised)."""
-    buffer = state.logprobs
-    if buffer is None:
-        return None
-
-    def compute():
-        raw, adjusted = logits_fn()
-        return lp.score(raw, tokens, buffer.num_top, sampling, buffer.processed, adjusted)
-
-    return lp.record(buffer, ~state.done, compute).pad(k + 1)
 
 
 def _forward(scoring: Scoring, fed: jax.Array, positions: jax.Array, cache: KVCache, tree_mask: jax.Array | None):
@@ -128,27 +112,25 @@ def _forward(scoring: Scoring, fed: jax.Array, positions: jax.Array, cache: KVCa
     return scoring.model(fed, positions, cache, tree_mask=tree_mask, attention_impl=scoring.attention_impl, **extra)
 
 
-def _score_chain(scoring: Scoring, width: int, state: DecodeState, drafts: Drafts, sampling: SamplingParams,
-                 limits: RowLimits) -> Verified:
+def _score_chain(scoring: Scoring, width: int, state: DecodeState, drafts: Drafts, rows: RowParams) -> Verified:
     """One target forward over each row's newest token plus its first `width - 1` drafts, then rejection
     sampling along the chain."""
     cache, draft = state.cache, drafts.draft
     fed = jnp.concatenate([state.last_tokens[:, None], draft.tokens[:, : width - 1]], axis=1)  # i32[B, width]
     positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
     out, written = _forward(scoring, fed, positions, cache, None)
-    logits = penalize_scored(out.logits, state.counts, fed, None, sampling)  # f32[B, width, V]
-    logits = constraint_rows.constrain_scored(logits, state.constraint, fed, None, limits.stop_ids)
+    sampling, processors = rows.sampling, state.processors
+    logits = processors.adjust(out.logits, fed, sampling, rows.limits.stop_ids)  # f32[B, width, V]
     probs = None if draft.probs is None else draft.probs[:, : width - 1]
     keys = jax.vmap(jax.random.key)(sampling.seed)
     # Output token j sits at position lengths + 1 + j; plain decoding keys the same position the same way.
     tokens, num = rejection_sample(keys, logits, draft.tokens[:, : width - 1], probs, drafts.num, sampling,
                                    positions=cache.lengths + 1)
-    scored = _logprobs_of(state, lambda: (out.logits, logits), tokens, sampling, scoring.k)
+    scored = processors.read(~state.done, lambda: (out.logits, logits), tokens, sampling)
     return _verified(tokens, num, written, target_features(out, scoring.layers), scored, scoring.k)
 
 
-def _score_tree(scoring: Scoring, width: int, state: DecodeState, drafts: Drafts, sampling: SamplingParams,
-                limits: RowLimits) -> Verified:
+def _score_tree(scoring: Scoring, width: int, state: DecodeState, drafts: Drafts, rows: RowParams) -> Verified:
     """The tree version: one forward over the root and the first `width - 1` draft nodes under their ancestor
     mask, verification along the tree, and the accepted path's K/V moved to contiguous slots. A node whose
     token was out of the vocabulary (`drafts.in_vocab` False), or under such a node, is never accepted.
@@ -163,8 +145,9 @@ def _score_tree(scoring: Scoring, width: int, state: DecodeState, drafts: Drafts
     depth = drafts.node_depth[:, :width]  # i32[B, width]: a parent precedes its child, so a prefix keeps its depths
     mask = tree_ancestor_mask(parents)  # bool[B, width, width]
     out, written = _forward(scoring, fed, cache.lengths[:, None] + depth, cache, mask)
-    logits = penalize_scored(out.logits, state.counts, fed, mask, sampling)  # f32[B, width, V]
-    logits = constraint_rows.constrain_scored(logits, state.constraint, fed, parents, limits.stop_ids)
+    sampling, processors = rows.sampling, state.processors
+    # f32[B, width, V]: each node penalised by the tokens on its path, masked by the state they lead to
+    logits = processors.adjust(out.logits, fed, sampling, rows.limits.stop_ids, tree=(mask, parents))
     # Nodes past the row's node count, deeper than it may still emit, on a path through an out-of-vocabulary
     # token, or whose slot lies past the cache's end (its K/V dropped, `write_new`; a node's ancestors come
     # before it, so they fit wherever it does) are never accepted.
@@ -173,14 +156,14 @@ def _score_tree(scoring: Scoring, width: int, state: DecodeState, drafts: Drafts
              & _path_in_vocab(mask, drafts.in_vocab[:, :n]) & in_cache)  # bool[B, n]
     probs = None if draft.probs is None else draft.probs[:, :n]
     keys = jax.vmap(jax.random.key)(sampling.seed)
-    path, out_tokens, num = verify_tree(keys, logits, tokens, parents, valid, probs, sampling,
+    path, out_tokens, num = verify_tree(keys, logits, DraftTree(tokens, parents, valid, probs), sampling,
                                         positions=cache.lengths + 1, max_depth=min(scoring.max_depth, n))
     # Written slots start at the written cache's lengths: the rows' lengths, or 0 for deferred K/V.
     written = written.map_layers(lambda b: gather_path(b, written.lengths, path))
     features = None if scoring.layers is None else gather_nodes(target_features(out, scoring.layers), path)
     # Output token j was drawn from the logits of path node j (the root first).
-    scored = _logprobs_of(state, lambda: (gather_nodes(out.logits, path), gather_nodes(logits, path)), out_tokens,
-                          sampling, scoring.k)
+    scored = processors.read(~state.done, lambda: (gather_nodes(out.logits, path), gather_nodes(logits, path)),
+                             out_tokens, sampling)
     return _verified(out_tokens, num, written, features, scored, scoring.k)
 
 
@@ -191,15 +174,11 @@ def _path_in_vocab(mask: jax.Array, in_vocab: jax.Array) -> jax.Array:
     return jnp.all(~mask | ok[:, None, :], axis=-1)[:, 1:]
 
 
-def verify(scoring: Scoring, state: DecodeState, drafts: Drafts, sampling: SamplingParams, widths: tuple[int, ...],
-           choice: jax.Array, limits: RowLimits | None = None) -> Verified:
+def verify(scoring: Scoring, state: DecodeState, drafts: Drafts, rows: RowParams, widths: tuple[int, ...],
+           choice: jax.Array) -> Verified:
     """Score each row's newest token and its first `drafts.num` drafts with one target forward at
-    `widths[choice]` (a `lax.switch` over the compiled widths) and verify them losslessly. `limits` gives the
-    stop ids a constrained row may end with (needed when the state has constraints)."""
-    if limits is None:
-        if state.constraint is not None:
-            raise ValueError("verify needs limits= when the state decodes under constraints")
-        limits = RowLimits(max_new_tokens=jnp.ones_like(drafts.num), stop_ids=jnp.full((drafts.num.shape[0], 1), -1))
+    `widths[choice]` (a `lax.switch` over the compiled widths) and verify them losslessly under each row's
+    sampling settings and processors (a constrained row may end with its stop ids)."""
     score = _score_chain if drafts.node_depth is None else _score_tree
     widest = max(widths)
 
@@ -207,7 +186,7 @@ def verify(scoring: Scoring, state: DecodeState, drafts: Drafts, sampling: Sampl
         clipped = drafts.replace(num=jnp.minimum(drafts.num, width - 1))
 
         def run():
-            return score(scoring, width, state, clipped, sampling, limits)
+            return score(scoring, width, state, clipped, rows)
 
         if not scoring.defer:
             return run

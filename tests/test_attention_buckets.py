@@ -22,13 +22,13 @@ from flax import nnx
 import jaxspec
 from jaxspec import SamplingParams
 from jaxspec.cache import write_new
-from jaxspec.decode import NoProposer, StepSpec, decode, prefill
+from jaxspec.decode import NoProposer, PrefillSpec, StepSpec, decode, prefill
 from jaxspec.models import llama
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import Llama, row_group
 from jaxspec.proposers.base import Context, Draft
 from jaxspec.proposers.ngram import NgramProposer
-from jaxspec.state import RowLimits
+from jaxspec.state import RowLimits, RowParams
 from jaxspec.tree import tree_ancestor_mask
 
 CFG = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
@@ -248,20 +248,20 @@ def test_decode_loop_updates_the_cache_in_place(batch, method, groups, request):
         request.getfixturevalue("small_row_groups")
     lm = jaxspec.LanguageModel.from_module(Llama(CFG, rngs=nnx.Rngs(0)), name="bucket-test")
     prompts = jnp.zeros((batch, 16), jnp.int32)
-    sampling = SamplingParams().broadcast(batch)
-    limits = RowLimits(max_new_tokens=jnp.full((batch,), 8, jnp.int32), stop_ids=jnp.full((batch, 1), -1, jnp.int32))
+    rows = RowParams(sampling=SamplingParams().broadcast(batch),
+                     limits=RowLimits(max_new_tokens=jnp.full((batch,), 8, jnp.int32),
+                                      stop_ids=jnp.full((batch, 1), -1, jnp.int32)))
     proposer, widths = NoProposer(), (1,)
     if method == "ngram":
         proposer, widths = NgramProposer(num_speculative_tokens=8), (1, 5, 9)
     elif method == "tree":
         proposer, widths = _StaticTree(), (1, 3, 5)
-    state = prefill(lm.graphdef, lm.params, prompts, jnp.full((batch,), 5, jnp.int32), sampling, limits,
-                    cache_len=S, buffer_len=16, proposer=proposer)
-    hlo = decode.lower(lm.graphdef, lm.params, state, sampling, limits,
-                       step=StepSpec(proposer, widths)).compile().as_text()
+    state = prefill(lm.graphdef, lm.params, prompts, jnp.full((batch,), 5, jnp.int32), rows,
+                    spec=PrefillSpec(cache_len=S, buffer_len=16, proposer=proposer))
+    hlo = decode.lower(lm.graphdef, lm.params, state, rows, step=StepSpec(proposer, widths)).compile().as_text()
     buffer = re.escape(f"f32[{batch},{CFG.num_kv_heads},{S},{CFG.head_dim}]")
     copies = re.findall(rf"= {buffer}\S* copy\(", hlo)
     assert not copies, f"{len(copies)} copies of a whole cache buffer in the decode loop"
     # The loop still runs and commits tokens.
-    out = decode(lm.graphdef, lm.params, state, sampling, limits, step=StepSpec(proposer, widths))
+    out = decode(lm.graphdef, lm.params, state, rows, step=StepSpec(proposer, widths))
     assert int(out.history_len[0] - out.prompt_len[0]) == 8

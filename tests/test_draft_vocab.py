@@ -165,9 +165,9 @@ def test_reduced_vocab_greedy_equals_plain(tiny_lm, prompts, plain, ranked_heads
 def _first_draft(lm, prompts, spec, sampling):
     """The Draft `propose` returns right after prefill, as the loop calls it; the Prepared; the state."""
     p = jaxspec.prepare(lm, prompts, max_new_tokens=8, spec=spec, sampling=sampling)
-    state = jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
-                            p.proposer_params, proposer=p.proposer, cache_len=p.cache_len, buffer_len=p.buffer_len)
-    draft, _ = jax.jit(propose_once, static_argnums=0)(p.proposer, p.proposer_params, state, p.sampling, p.limits)
+    state = jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params,
+                            spec=p.prefill_spec)
+    draft, _ = jax.jit(propose_once, static_argnums=0)(p.proposer, p.proposer_params, state, p.rows)
     return draft, p, state
 
 

@@ -22,9 +22,9 @@ from jaxspec import SamplingParams
 from jaxspec.engine import Engine, EngineMetrics, Request, slots
 from jaxspec.engine.request import MAX_STOP_IDS, LiveRequest, validate
 from jaxspec.engine.runner import Runner
-from jaxspec.limits import eos_ids, stop_table
+from jaxspec.limits import eos_ids
 from jaxspec.policy import FixedPolicy
-from jaxspec.state import DecodeState, RowLimits
+from jaxspec.state import DecodeState
 from test_engine import CONFIG, PROMPTS, K, N, offline, run_all
 
 
@@ -41,10 +41,8 @@ def one_row(runner: Runner, prompt: list[int], max_tokens: int = 8) -> DecodeSta
     """A one-row state: `prompt` prefilled alone, as the engine admits a request."""
     padded = np.zeros((1, 16), np.int32)  # i32[1, P]: PROMPTS fit the smallest prompt bucket
     padded[0, : len(prompt)] = prompt
-    limits = RowLimits(max_new_tokens=jnp.asarray([max_tokens], jnp.int32),
-                       stop_ids=jnp.asarray(stop_table([()], MAX_STOP_IDS)))
-    return runner.prefill(jnp.asarray(padded), jnp.asarray([len(prompt)], jnp.int32),
-                          SamplingParams.stack([SamplingParams()]), limits, wants_logprobs=False)
+    rows = slots.stack_settings([slots.RowSettings(SamplingParams(), max_tokens, ())], MAX_STOP_IDS)
+    return runner.prefill(jnp.asarray(padded), jnp.asarray([len(prompt)], jnp.int32), rows, wants_logprobs=False)
 
 
 def host(state: DecodeState) -> DecodeState:
@@ -117,7 +115,8 @@ def test_finish_marks_only_those_rows(runner):
 
 def test_stack_settings_gives_free_rows_the_defaults():
     row = slots.RowSettings(SamplingParams(temperature=0.5, top_k=3, seed=7), max_new_tokens=9, stop_ids=(5, 6))
-    sampling, limits = slots.stack_settings([None, row, None], num_stop_ids=4)
+    rows = slots.stack_settings([None, row, None], num_stop_ids=4)
+    sampling, limits = rows.sampling, rows.limits
     assert np.asarray(limits.max_new_tokens).tolist() == [1, 9, 1]
     assert np.asarray(limits.stop_ids).tolist() == [[-1] * 4, [5, 6, -1, -1], [-1] * 4]
     want = SamplingParams.stack([SamplingParams(), row.sampling, SamplingParams()])
@@ -264,7 +263,9 @@ def test_batch_settings_are_reused_until_a_slot_changes(runner):
 
     first = runner._batch_settings([live(0.7, 1), None, live(0.0, 2)])
     assert runner._batch_settings([live(0.7, 1), None, live(0.0, 2)]) is first
-    sampling, limits = runner._batch_settings([live(0.7, 3), None, live(0.0, 2)])
+    rows = runner._batch_settings([live(0.7, 3), None, live(0.0, 2)])
+    sampling, limits = rows.sampling, rows.limits
     assert sampling.seed.tolist() == [3, 0, 2] and limits.max_new_tokens.tolist() == [5, 1, 5]
-    sampling, limits = runner._batch_settings([live(0.7, 3), None, None])
+    rows = runner._batch_settings([live(0.7, 3), None, None])
+    sampling, limits = rows.sampling, rows.limits
     assert sampling.seed.tolist() == [3, 0, 0] and limits.max_new_tokens.tolist() == [5, 1, 1]

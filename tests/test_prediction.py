@@ -373,13 +373,13 @@ def _run(lm, prompts, proposer, predictions, sampling=SamplingParams()):
     """prepare, prefill, install the predictions (None: leave none), decode. Returns (tokens, final state)."""
     p = jaxspec.prepare(lm, prompts, max_new_tokens=NEW, spec=SpecConfig(method="custom", proposer=proposer),
                         sampling=sampling)
-    state = jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
-                            p.proposer_params, proposer=p.proposer, cache_len=p.cache_len, buffer_len=p.buffer_len)
+    state = jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params,
+                            spec=p.prefill_spec)
     if predictions is not None:
         tokens, lengths = pad_predictions(predictions, proposer.max_prediction_len)
         state = state.replace(pstate=with_prediction(state.pstate, tokens, lengths, state.history,
                                                      state.history_len, state.prompt_len))
-    state = jaxspec.decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, step=p.step)
+    state = jaxspec.decode(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step)
     tokens, counts = p.new_tokens(state)
     return [t[:n].tolist() for t, n in zip(tokens, counts)], jax.device_get(state)
 

@@ -41,9 +41,9 @@ def prompts():
 def _own_loop(lm, prompts, **kwargs):
     """A hand-written generate: prepare, prefill, decode, read the tokens. Returns (tokens, counts, state)."""
     p = jaxspec.prepare(lm, prompts, max_new_tokens=NEW, **kwargs)
-    state = jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits, p.proposer_params,
-                            proposer=p.proposer, cache_len=p.cache_len, buffer_len=p.buffer_len)
-    state = jaxspec.decode(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, step=p.step)
+    state = jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params,
+                            p.processors, spec=p.prefill_spec)
+    state = jaxspec.decode(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step)
     tokens, counts = p.new_tokens(state)
     return tokens, counts, state
 
@@ -67,8 +67,8 @@ def test_own_loop_equals_generate(tiny_lm, prompts, spec, sampling):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "step"))
-def _one_step(graphdef, params, state, sampling, limits, proposer_params, *, step):
-    return jaxspec.spec_step(nnx.merge(graphdef, params), step, proposer_params, state, sampling, limits)
+def _one_step(graphdef, params, state, rows, proposer_params, *, step):
+    return jaxspec.spec_step(nnx.merge(graphdef, params), step, proposer_params, state, rows)
 
 
 def test_spec_step_and_decode_chunk_loops_equal_generate(tiny_lm, prompts):
@@ -77,19 +77,19 @@ def test_spec_step_and_decode_chunk_loops_equal_generate(tiny_lm, prompts):
     want = jaxspec.generate(lm, prompts, max_new_tokens=NEW, spec=SAM)
 
     def start():
-        return jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
-                               p.proposer_params, proposer=p.proposer, cache_len=p.cache_len, buffer_len=p.buffer_len)
+        return jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params,
+                               spec=p.prefill_spec)
 
     state = start()
     while not bool(jnp.all(state.done)):  # one step per call: the host sees every step
-        state = _one_step(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params, step=p.step)
+        state = _one_step(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step)
     np.testing.assert_array_equal(p.new_tokens(state)[0], want.token_array)
     assert int(state.steps) == want.stats.steps
 
     state, chunks = start(), 0
     while not bool(jnp.all(state.done)):
-        state = jaxspec.decode_chunk(lm.graphdef, lm.params, state, p.sampling, p.limits, p.proposer_params,
-                                     step=p.step, num_steps=3)
+        state = jaxspec.decode_chunk(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step,
+                                     num_steps=3)
         chunks += 1
     np.testing.assert_array_equal(p.new_tokens(state)[0], want.token_array)
     assert chunks == -(-want.stats.steps // 3)

@@ -24,9 +24,8 @@ COMMON = textwrap.dedent("""
         # The decode state after prefill, as generate builds it (to read its shardings).
         p = jaxspec.prepare(lm, prompts, max_new_tokens=8, **kw)
         with use_rules(lm.mesh, lm.rules):
-            return jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.sampling, p.limits,
-                                   p.proposer_params, proposer=p.proposer, cache_len=p.cache_len,
-                                   buffer_len=p.buffer_len)
+            return jaxspec.prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params,
+                                   spec=p.prefill_spec)
 """)
 
 TINY = COMMON + textwrap.dedent("""

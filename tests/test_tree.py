@@ -22,6 +22,7 @@ from jaxspec.rejection import _ACCEPT_STREAM
 from jaxspec.sampling import categorical as categorical_draw
 from jaxspec.sampling import row_keys
 from jaxspec.tree import (
+    DraftTree,
     TreeTopology,
     depths,
     gather_nodes,
@@ -341,9 +342,10 @@ def _likely_tokens(rng, target, parents, p_match=0.6):
 
 
 def _run(seeds, logits, tokens, parents, valid, probs, params, positions, max_depth=K):
-    out = verify(_seed_keys(seeds), jnp.asarray(logits), jnp.asarray(tokens, jnp.int32),
-                 jnp.asarray(parents, jnp.int32), jnp.asarray(valid), None if probs is None else jnp.asarray(
-                     probs, jnp.float32), params, positions=jnp.asarray(positions, jnp.int32), max_depth=max_depth)
+    tree = DraftTree(jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32), jnp.asarray(valid),
+                     None if probs is None else jnp.asarray(probs, jnp.float32))
+    out = verify(_seed_keys(seeds), jnp.asarray(logits), tree, params, positions=jnp.asarray(positions, jnp.int32),
+                 max_depth=max_depth)
     return tuple(np.asarray(x) for x in out)
 
 
@@ -466,17 +468,17 @@ def test_no_drafts_is_one_plain_step(probabilistic):
 
 def test_verify_validates_shapes():
     rng, rows, parents, valid, logits, seeds, positions = _tree_case(0)
-    args = (_seed_keys(seeds), logits, parents, parents, valid, None, _params(rows))
+    keys, tree, params = _seed_keys(seeds), DraftTree(parents, parents, valid), _params(rows)
     with pytest.raises(ValueError, match="max_depth=8"):
-        verify_tree(*args, max_depth=K + 1)
+        verify_tree(keys, logits, tree, params, max_depth=K + 1)
     with pytest.raises(ValueError, match="node_valid"):
-        verify_tree(*args[:4], valid[:, :3], *args[5:])
+        verify_tree(keys, logits, tree._replace(node_valid=valid[:, :3]), params)
     with pytest.raises(ValueError, match="draft_probs"):
-        verify_tree(*args[:5], np.zeros((B, K, V + 1)), args[6])
+        verify_tree(keys, logits, tree._replace(draft_probs=np.zeros((B, K, V + 1))), params)
     with pytest.raises(ValueError, match="target_logits"):
-        verify_tree(args[0], logits[0], *args[2:])
+        verify_tree(keys, logits[0], tree, params)
     with pytest.raises(ValueError, match="positions"):
-        verify_tree(*args, positions=np.zeros(B + 1, np.int32))
+        verify_tree(keys, logits, tree, params, positions=np.zeros(B + 1, np.int32))
 
 
 # --- verification: the emitted tokens follow the processed target distribution ------------------------------
@@ -535,8 +537,9 @@ def _check(out, num, p, rng):
 def test_emitted_tokens_follow_processed_distribution(name):
     rng, logits, p, tokens, probs, valid = _dist_setup(name)
     path, out, num = (np.asarray(x) for x in verify_dist(
-        jax.random.split(jax.random.key(11), N), jnp.asarray(logits), jnp.asarray(tokens),
-        jnp.broadcast_to(jnp.asarray(TREE), (N, DK)), jnp.asarray(valid), jnp.asarray(probs),
+        jax.random.split(jax.random.key(11), N), jnp.asarray(logits),
+        DraftTree(jnp.asarray(tokens), jnp.broadcast_to(jnp.asarray(TREE), (N, DK)), jnp.asarray(valid),
+                  jnp.asarray(probs)),
         SamplingParams(*DIST[name]).broadcast(N), max_depth=2))
     tv_first, tv_joint, impossible = _check(out, num, p, rng)
     assert impossible == 0 and tv_first < TV_FIRST and tv_joint < TV_JOINT, (tv_first, tv_joint, impossible)

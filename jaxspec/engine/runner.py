@@ -27,19 +27,18 @@ from ..builders import build_proposer
 from ..constraints import FREE, stack
 from ..constraints.rows import ConstraintRows, ForcedTokenProposer
 from ..constraints.tables import check_key_range
-from ..decode import StepSpec, decode_chunk, pinned, prefill
+from ..decode import PrefillSpec, StepSpec, decode_chunk, pinned, prefill
 from ..generation import default_attention_impl
-from ..limits import stop_table
 from ..logprobs import TokenLogprob, to_host, window
 from ..models.loading import LanguageModel
 from ..predicted import RESYNC_MIN_MATCH, RESYNC_NGRAM
+from ..processors import ProcessorRequest
 from ..proposers.base import BatchShared
 from ..proposers.mixed import MixedParams, MixedProposer, MixedState
 from ..proposers.prediction import PredictionProposer, PredictionState, pad_predictions, with_prediction
-from ..sampling_params import SamplingParams
 from ..shapes import BUCKET_MIN, prompt_bucket
 from ..spec_config import SpecConfig
-from ..state import DecodeState, RowLimits, SpecCounters
+from ..state import DecodeState, RowParams, SpecCounters
 from . import slots
 from .config import EngineConfig
 from .request import MAX_STOP_IDS, LiveRequest, Request, compiled_constraint
@@ -188,7 +187,7 @@ class Runner:
         self._stack_initial: dict[int, int] = {}
         self._stacked: list = []
         self._steps_read = 0  # the loop's step counter at the last read (a regroup keeps the old batch's)
-        self._settings = (None, None)  # (key, (sampling, limits)) of the last chunk's rows (`_batch_settings`)
+        self._settings = (None, None)  # (key, RowParams) of the last chunk's rows (`_batch_settings`)
         # Slot buckets whose speculative chunk the compiling thread has compiled (`warmup`). Until a bucket is here,
         # `_decode` runs its chunk at verify width 1 (`_plain_until_compiled`): every row decodes plainly, and the
         # proposers keep their state, so the first chunk that speculates drafts from the whole text.
@@ -214,19 +213,18 @@ class Runner:
 
     # ------------------------------------------------------------------ the batch
 
-    def prefill(self, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams, limits: RowLimits,
-                wants_logprobs: bool | np.ndarray, initial: Sequence[int] | None = None,
-                own_batch: bool = False) -> DecodeState:
+    def prefill(self, prompts: jax.Array, prompt_lens: jax.Array, rows: RowParams, wants_logprobs: bool | np.ndarray,
+                initial: Sequence[int] | None = None, own_batch: bool = False) -> DecodeState:
         """A state of prompts.shape[0] rows (prompts i32[B, P], prompt_lens i32[B]) in the batch's row shape;
         `wants_logprobs` for every row, or bool[B] one per row; `initial` each row's constraint state in the
         batch's stacked automata (None: every row free). `own_batch`: for a batch other than the engine's (the
         compiling thread's), with a stack of automata of its own."""
-        args, kwargs = self._prefill_args(prompts, prompt_lens, sampling, limits, wants_logprobs, initial, own_batch)
+        args, kwargs = self._prefill_args(prompts, prompt_lens, rows, wants_logprobs, initial, own_batch)
         state = prefill(*args, **kwargs)
         # Per-request counters only: the engine reads totals, not each step's commit count.
         return state.replace(counters=SpecCounters.zeros(prompts.shape[0], self.loop_k, 1))
 
-    def _prefill_args(self, prompts: jax.Array, prompt_lens: jax.Array, sampling: SamplingParams, limits: RowLimits,
+    def _prefill_args(self, prompts: jax.Array, prompt_lens: jax.Array, rows: RowParams,
                       wants_logprobs: bool | np.ndarray, initial: Sequence[int] | None = None,
                       own_batch: bool = False) -> tuple[tuple, dict]:
         """The arguments of `jaxspec.decode.prefill` for `prefill` (and for compiling it ahead, `warmup`)."""
@@ -234,14 +232,16 @@ class Runner:
         caps = jnp.zeros((self.config.max_slots + 1,), jnp.int32)
         # Every row carries the log-probability buffers (one state shape); only rows that asked fill them.
         top = self.config.max_logprobs
-        rows = None if top is None else jnp.asarray(np.broadcast_to(wants_logprobs, (prompts.shape[0],)))
-        args = (self.lm.graphdef, self.lm.params, prompts, prompt_lens, sampling, limits,
-                MixedParams(caps, self._member_params), rows, None,
-                self._constraint_rows(prompts.shape[0], initial, own_batch))
+        wanted = None if top is None else jnp.asarray(np.broadcast_to(wants_logprobs, (prompts.shape[0],)))
         # Every row counts its tokens too (one state shape), so any request may ask for penalties.
-        kwargs = dict(proposer=self.proposer, cache_len=self.config.cache_len,
-                      buffer_len=self.config.cache_len - width, num_top_logprobs=top or 0, track_counts=True)
-        return args, kwargs
+        processors = ProcessorRequest(logprob_rows=wanted,
+                                      constraint=self._constraint_rows(prompts.shape[0], initial, own_batch),
+                                      num_top_logprobs=top or 0, track_counts=True)
+        args = (self.lm.graphdef, self.lm.params, prompts, prompt_lens, rows, MixedParams(caps, self._member_params),
+                processors)
+        spec = PrefillSpec(cache_len=self.config.cache_len, buffer_len=self.config.cache_len - width,
+                           proposer=self.proposer)
+        return args, dict(spec=spec)
 
     def _constraint_rows(self, batch: int, initial: Sequence[int] | None,
                          own_batch: bool = False) -> ConstraintRows | None:
@@ -297,10 +297,8 @@ class Runner:
         the model's mesh as the decode loop lays out its state (the one row's copies would otherwise sit whole
         on every device until the next chunk re-lays them)."""
         if self._empty_row is None:
-            limits = RowLimits(max_new_tokens=jnp.ones((1,), jnp.int32),
-                               stop_ids=jnp.full((1, MAX_STOP_IDS), -1, jnp.int32))
             self._empty_row = self.prefill(jnp.zeros((1, BUCKET_MIN), jnp.int32), jnp.ones((1,), jnp.int32),
-                                           SamplingParams().broadcast(1), limits, wants_logprobs=False)
+                                           slots.stack_settings([None], MAX_STOP_IDS), wants_logprobs=False)
         return pinned(slots.empty_state(self._empty_row, n))
 
     def reset(self, n: int) -> None:
@@ -369,11 +367,10 @@ class Runner:
         prompts = np.zeros((n + pad, prompt_bucket(max(lens), self.config.cache_len)), np.int32)  # i32[B, P]
         for i, r in enumerate(requests):
             prompts[i, :lens[i]] = r.prompt_ids
-        sampling = SamplingParams.stack([r.sampling for r in requests] + [SamplingParams()] * pad)
-        limits = RowLimits(max_new_tokens=jnp.asarray([r.max_tokens for r in requests] + [1] * pad, jnp.int32),
-                           stop_ids=jnp.asarray(stop_table([*stop_ids, *[()] * pad], MAX_STOP_IDS)))
+        rows = slots.stack_settings([slots.RowSettings(r.sampling, r.max_tokens, s) for r, s in zip(requests, stop_ids)]
+                                    + [None] * pad, MAX_STOP_IDS)
         wants = np.asarray([r.logprobs is not None for r in requests] + [False] * pad)
-        return jnp.asarray(prompts), jnp.asarray(lens, jnp.int32), sampling, limits, wants
+        return jnp.asarray(prompts), jnp.asarray(lens, jnp.int32), rows, wants
 
     def admit_batch(self, admissions: Sequence[tuple[int, Request, str, Sequence[int]]],
                     occupied: Sequence[bool] | None = None) -> list[RowUpdate]:
@@ -418,7 +415,7 @@ class Runner:
 
     # ------------------------------------------------------------------ decoding
 
-    def _batch_settings(self, rows: Sequence[LiveRequest | None]) -> tuple[SamplingParams, RowLimits]:
+    def _batch_settings(self, rows: Sequence[LiveRequest | None]) -> RowParams:
         """The batch arrays of the rows' settings, reused while every slot holds the same values: stacking them
         checks each row's values and uploads each field, a host cost per chunk that grows with the slots and that
         a GPU's chunk of a few milliseconds a step cannot hide."""
@@ -436,9 +433,8 @@ class Runner:
 
     def _decode(self, rows: Sequence[LiveRequest | None], caps: np.ndarray) -> DecodeState:
         """Up to chunk_steps decode steps over the batch; caps i32[max_slots + 1] (`SpeculationPolicy`)."""
-        sampling, limits = self._batch_settings(rows)
         plain = self._plain_until_compiled and self.num_slots not in self._speculating
-        self.state = decode_chunk(self.lm.graphdef, self.lm.params, self.state, sampling, limits,
+        self.state = decode_chunk(self.lm.graphdef, self.lm.params, self.state, self._batch_settings(rows),
                                   MixedParams(jnp.asarray(caps), self._member_params), **self._chunk_settings(plain))
         return self.state
 
@@ -586,9 +582,9 @@ class Runner:
                 self.admit_batch([(i, r, method, ()) for i, r in enumerate(_requests(count, 3))])
         if not own_batch:
             state = self.state
-        sampling, limits = slots.stack_settings([None] * n, MAX_STOP_IDS)
         caps = MixedParams(jnp.zeros(self.config.max_slots + 1, jnp.int32), self._member_params)
-        state = decode_chunk(self.lm.graphdef, self.lm.params, state, sampling, limits, caps,
+        state = decode_chunk(self.lm.graphdef, self.lm.params, state, slots.stack_settings([None] * n, MAX_STOP_IDS),
+                             caps,
                              **self._chunk_settings(plain=self._plain_until_compiled))
         if state.logprobs is not None:
             window(state.logprobs, jnp.zeros((n,), jnp.int32), size=self.logprob_window)
@@ -623,10 +619,10 @@ class Runner:
                                   time.perf_counter() - t0)
                     elif item[0] == "chunk":
                         n = item[1]
-                        sampling, limits = slots.stack_settings([None] * n, MAX_STOP_IDS)
                         caps = MixedParams(jnp.zeros(self.config.max_slots + 1, jnp.int32), self._member_params)
                         decode_chunk(self.lm.graphdef, self.lm.params, pinned(slots.empty_state(self._empty_row, n)),
-                                     sampling, limits, caps, **self._chunk_settings(plain=False))
+                                     slots.stack_settings([None] * n, MAX_STOP_IDS), caps,
+                                     **self._chunk_settings(plain=False))
                         self._speculating.add(n)
                         _log.info("speculation on at %d slots: its chunk compiled in the background in %.1f s", n,
                                   time.perf_counter() - t0)

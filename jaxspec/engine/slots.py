@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from ..limits import stop_table
 from ..proposers.base import BatchShared
 from ..sampling_params import SamplingParams
-from ..state import DecodeState, RowLimits
+from ..state import DecodeState, RowLimits, RowParams
 
 
 def _map_rows(fn, *states):
@@ -118,11 +118,11 @@ class RowSettings:
     stop_ids: Sequence[int]  # the ids that end the row (EOS included)
 
 
-def stack_settings(rows: Sequence[RowSettings | None], num_stop_ids: int) -> tuple[SamplingParams, RowLimits]:
-    """The batch arrays of per-row values: `SamplingParams` of [B] arrays and `RowLimits` (token budgets i32[B],
-    stop ids i32[B, num_stop_ids], -1 padded). A free row (None) gets the defaults: greedy, a budget of one
-    token, no stop ids."""
+def stack_settings(rows: Sequence[RowSettings | None], num_stop_ids: int) -> RowParams:
+    """The batch arrays of per-row values: `RowParams` of `SamplingParams` of [B] arrays and `RowLimits` (token
+    budgets i32[B], stop ids i32[B, num_stop_ids], -1 padded). A free row (None) gets the defaults: greedy, a
+    budget of one token, no stop ids."""
     sampling = SamplingParams.stack([SamplingParams() if r is None else r.sampling for r in rows])
     max_new = jnp.asarray([1 if r is None else r.max_new_tokens for r in rows], jnp.int32)  # i32[B]
     stops = stop_table([() if r is None else r.stop_ids for r in rows], num_stop_ids)  # i32[B, M]
-    return sampling, RowLimits(max_new_tokens=max_new, stop_ids=jnp.asarray(stops))
+    return RowParams(sampling=sampling, limits=RowLimits(max_new_tokens=max_new, stop_ids=jnp.asarray(stops)))

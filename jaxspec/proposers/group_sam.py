@@ -15,7 +15,7 @@ automaton. On a GPU each automaton loop iteration is a kernel launch. On XLA:CPU
 per row a step) the texts cost less than the automaton at 8 rows, about the same at 32, and about twice as much
 at 128, where a plain step of the default model costs far more than either.
 
-Layout. Rows p * G .. p * G + G - 1 of the batch `init` sees form group p: the layout `prefill(group_size=G)`
+Layout. Rows p * G .. p * G + G - 1 of the batch `init` sees form group p: the layout `PrefillSpec(group_size=G)`
 produces. Each row keeps its (group, string) indices as per-row state, and the groups' automata are
 `BatchShared`, so the slot operations of `jaxspec.engine.slots` can compact, move or drop rows (a rollout's
 long tail) while every group's automaton stays whole. With G = 1 every row is its own group: per-row suffix

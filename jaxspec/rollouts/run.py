@@ -1,7 +1,7 @@
 """`jaxspec.rollout`: P prompts x G samples, decoded on the device with a compacted long tail.
 
 The loop:
-1. Prefill each prompt once and copy its K/V into its G rows (`prefill(group_size=G)`); each row samples its
+1. Prefill each prompt once and copy its K/V into its G rows (`PrefillSpec(group_size=G)`); each row samples its
    first token with its own seed.
 2. Decode in chunks of `chunk_steps` steps (`decode_chunk`, the jitted loop). Between chunks the host reads
    which rows finished (one small transfer; with stop strings, the rows' text too, and a sample whose text
@@ -31,16 +31,16 @@ import numpy as np
 
 from .. import cost, sharding
 from ..builders import build_proposer
-from ..decode import StepSpec, decode_chunk, prefill
+from ..decode import PrefillSpec, StepSpec, decode_chunk, prefill
 from ..engine import slots
 from ..generation import cut_at_stop_string, default_attention_impl
 from ..models.loading import LanguageModel
 from ..penalties import any_penalty
+from ..processors import ProcessorRequest
 from ..proposers.group_sam import GroupSamProposer
-from ..sampling_params import SamplingParams
 from ..shapes import bucket_shapes
 from ..spec_config import SpecConfig
-from ..state import DecodeState, RowLimits
+from ..state import DecodeState, RowLimits, RowParams
 from .inputs import RolloutInputs, check_memory, validate
 from .policy import MODES, TailPolicy, overhead_for
 from .result import ChunkRecord, RolloutResult, SampleRecord, timeline_stats
@@ -173,7 +173,7 @@ class _Rollout:
 
     # ------------------------------------------------------------------ per-row settings of a batch
 
-    def _settings(self, rows: np.ndarray, cap: int) -> tuple[SamplingParams, RowLimits]:
+    def _settings(self, rows: np.ndarray, cap: int) -> RowParams:
         """The sampling arrays and limits of a batch whose row i holds sample rows[i] (-1: a padding row).
 
         Reused while the rows and the cap stay the same (most chunks): building them anew costs a gather and an
@@ -184,13 +184,13 @@ class _Rollout:
             self._settings_key, self._settings_value = key, self._build_settings(rows, cap)
         return self._settings_value
 
-    def _build_settings(self, rows: np.ndarray, cap: int) -> tuple[SamplingParams, RowLimits]:
+    def _build_settings(self, rows: np.ndarray, cap: int) -> RowParams:
         idx = jnp.asarray(np.maximum(rows, 0))
         sampling = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), self.inputs.sampling)
         limits = RowLimits(max_new_tokens=jnp.asarray(self.max_new[np.maximum(rows, 0)]),
                            stop_ids=jnp.asarray(self.inputs.stop_table[np.maximum(rows, 0)]),
                            draft_cap=jnp.full((len(rows),), cap, jnp.int32))
-        return self._place((sampling, limits), len(rows))
+        return self._place(RowParams(sampling=sampling, limits=limits), len(rows))
 
     def _place(self, tree, batch: int):
         """On a mesh: arrays of `batch` rows over its data axis, the rest replicated (`jaxspec.sharding`)."""
@@ -229,15 +229,17 @@ class _Rollout:
             group_size = 1
         rows = np.arange(inputs.num_rows)  # the sample each batch row holds (p * G + g), -1 for padding
         cap = self.policy.choose(len(rows))
-        sampling, limits = self._settings(rows, cap)
+        settings = self._settings(rows, cap)
         logprob_rows = jnp.ones((inputs.num_rows,), bool) if inputs.logprobs else None
         processed = jnp.full((inputs.num_rows,), inputs.logprobs_mode == "sampling") if inputs.logprobs else None
         logprob_rows, processed = self._place((logprob_rows, processed), inputs.num_rows)
         prompts, prompt_lens = self._place((jnp.asarray(prompts), jnp.asarray(prompt_lens)), len(prompts))
-        state = prefill(lm.graphdef, self.params, prompts, prompt_lens, sampling, limits,
-                        self.proposer_params, logprob_rows, processed, proposer=self.proposer,
-                        cache_len=self.cache_len, buffer_len=self.buffer_len, group_size=group_size,
-                        track_counts=bool(np.any(np.asarray(any_penalty(sampling)))))
+        processors = ProcessorRequest(logprob_rows=logprob_rows, logprobs_processed=processed,
+                                      track_counts=bool(np.any(np.asarray(any_penalty(settings.sampling)))))
+        spec = PrefillSpec(cache_len=self.cache_len, buffer_len=self.buffer_len, proposer=self.proposer,
+                           group_size=group_size)
+        state = prefill(lm.graphdef, self.params, prompts, prompt_lens, settings, self.proposer_params, processors,
+                        spec=spec)
         done = np.asarray(jax.device_get(state.done))
         prefill_s = time.perf_counter() - t0
         # What each sample had counted at the last readback (row-steps, accepted drafts per position), so a
@@ -259,7 +261,7 @@ class _Rollout:
                 live = rows >= 0
             cap = self.policy.choose(len(rows))
             overhead = self.policy.overhead.factor(len(rows))  # what drafting was taken to cost beside c(w)
-            sampling, limits = self._settings(rows, cap)
+            settings = self._settings(rows, cap)
             if cap and self.behind:
                 state = self._catch_up(state, rows)
             self.behind |= not cap and self.sits_out
@@ -271,13 +273,13 @@ class _Rollout:
                 # rollout-none's program: carrying the group indexes and K-wide draft arrays through the loop
                 # cost 4% a step at 64 rows; the state rejoins after the chunk.
                 held = state.pstate
-                state = decode_chunk(lm.graphdef, self.params, state.replace(pstate=()), sampling, limits, None,
+                state = decode_chunk(lm.graphdef, self.params, state.replace(pstate=()), settings, None,
                                      step=StepSpec(attention_impl=self.attention_impl),
                                      num_steps=self.chunk_steps).replace(pstate=held)
             else:
                 step = StepSpec(self.proposer, self.widths if cap else (1,), self.attention_impl)
-                state = decode_chunk(lm.graphdef, self.params, state, sampling, limits, self.proposer_params,
-                                     step=step, num_steps=self.chunk_steps)
+                state = decode_chunk(lm.graphdef, self.params, state, settings, self.proposer_params, step=step,
+                                     num_steps=self.chunk_steps)
             read = (state.done, state.steps, state.counters.steps, state.counters.accepted_at)
             if self.stops is not None:
                 read += (state.history, state.history_len)

@@ -81,9 +81,8 @@ def measure(args) -> None:
             same = reference.setdefault((method, len(batch)), out.token_ids) == out.token_ids
             p = jaxspec.prepare(mesh_lm, batch, max_new_tokens=args.new_tokens)
             with use_rules(mesh_lm.mesh, mesh_lm.rules):
-                state = jaxspec.prefill(mesh_lm.graphdef, mesh_lm.params, p.prompts, p.prompt_lens, p.sampling,
-                                        p.limits, p.proposer_params, proposer=p.proposer, cache_len=p.cache_len,
-                                        buffer_len=p.buffer_len)
+                state = jaxspec.prefill(mesh_lm.graphdef, mesh_lm.params, p.prompts, p.prompt_lens, p.rows,
+                                        p.proposer_params, spec=p.prefill_spec)
             row = [f"({data}, {model})", "whole" if whole_attention else "split", method, len(batch),
                    tables.fmt(ms, ".1f"), out.stats.steps, tables.fmt(_bytes_on_first_device(mesh_lm.params) / 2**20,
                                                                        ".1f"),
