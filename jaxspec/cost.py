@@ -501,6 +501,14 @@ def generating():
     return _BACKGROUND_JOBS.generating()
 
 
+def forget_measured() -> None:
+    """Forget the verify-cost tables this process holds, so the next call that needs one reads the cache file
+    again (`CACHE_ENV`), or measures where the file has none: after the machine's load changed, or after the
+    file was replaced. The file itself is left as it is."""
+    _MEMO.clear()
+    _SHAPES.clear()
+
+
 def wait_measured(timeout: float | None = None) -> bool:
     """Block until every verify-cost table started in the background is measured (True), or `timeout` seconds
     pass (False). A benchmark calls it after its warm-up, so that its timed calls run with measured tables and

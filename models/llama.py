@@ -226,7 +226,7 @@ def _attention_beside_cache(q, k_cache, v_cache, k_new, v_new, lengths, tree_mas
         out = _softmax_merge(parts, scores, v_new.astype(v_cache.dtype)).astype(v_cache.dtype)
         return _heads_back(out, T)
 
-    return _by_row_groups(attend_rows, _kv_row_bytes(k_cache, _read_block(k_cache.shape[2])),
+    return _by_row_groups(attend_rows, kv_row_bytes(k_cache, _read_block(k_cache.shape[2])),
                           q, k_cache, v_cache, k_new, v_new, lengths, tree_mask, positions)
 
 
@@ -247,16 +247,16 @@ def _heads_back(out: jax.Array, T: int) -> jax.Array:
 # The cache is read in blocks of this many slots, as many as the longest row needs: a step's attention then costs
 # what its rows hold rather than what the cache could hold, at one compiled loop body per layer. Slicing a long
 # prefix of the cache copies it on a CPU (docs/cpu-performance.md), and a small block's slice stays in cache.
-_READ_BLOCK = 128
+READ_BLOCK = 128
 # A cache of at most this many slots is read whole, without the loop: the slots it would skip cost less than a
 # loop costs to compile and run.
-_WHOLE_READ_SLOTS = 256
+WHOLE_READ_SLOTS = 256
 
 
 def _read_block(max_len: int) -> int:
-    """Slots per cache block: the whole cache up to `_WHOLE_READ_SLOTS` slots, else `_READ_BLOCK`. The row groups
+    """Slots per cache block: the whole cache up to `WHOLE_READ_SLOTS` slots, else `READ_BLOCK`. The row groups
     are sized by it (`_by_row_groups`), so a whole read of up to 256 slots counts as what it reads."""
-    return max_len if max_len <= _WHOLE_READ_SLOTS else _READ_BLOCK
+    return max_len if max_len <= WHOLE_READ_SLOTS else READ_BLOCK
 
 
 def _cache_blocks(q, k_cache, v_cache, needed: jax.Array, visible, cfg: ModelConfig):
@@ -315,23 +315,23 @@ def _softmax_merge(parts, scores, values, done: bool = True):
 # "Attention in row groups"). So the rows attend in groups whose K and V reads stay within this many bytes, one
 # group after another (small enough, presumably, for each group's block copies and dots to stay in cache); rows are
 # independent in attention, so the result is the same.
-_ROW_GROUP_BYTES = 4 << 20
+ROW_GROUP_BYTES = 4 << 20
 
 
-def _kv_row_bytes(k_cache: jax.Array, slots: int) -> int:
+def kv_row_bytes(k_cache: jax.Array, slots: int) -> int:
     """Bytes of K and V one row's attention reads from a cache [B, Hkv, S, hd] over its first `slots` slots."""
     return 2 * k_cache.shape[1] * slots * k_cache.shape[3] * k_cache.dtype.itemsize
 
 
 def row_group(batch: int, row_bytes: int) -> int:
-    """Rows per attention group: the largest divisor of `batch` whose rows read at most `_ROW_GROUP_BYTES` of
+    """Rows per attention group: the largest divisor of `batch` whose rows read at most `ROW_GROUP_BYTES` of
     K/V (at least 1) on a CPU; the whole batch when it fits, off a CPU, or under a mesh of several devices
     (where the rows are split over devices and a loop over them would gather them)."""
     current = active()
-    if (batch * row_bytes <= _ROW_GROUP_BYTES or jax.default_backend() != "cpu"
+    if (batch * row_bytes <= ROW_GROUP_BYTES or jax.default_backend() != "cpu"
             or (current is not None and mesh_size(current[0]) > 1)):
         return batch
-    return max((g for g in range(1, batch + 1) if batch % g == 0 and g * row_bytes <= _ROW_GROUP_BYTES), default=1)
+    return max((g for g in range(1, batch + 1) if batch % g == 0 and g * row_bytes <= ROW_GROUP_BYTES), default=1)
 
 
 def _by_row_groups(attend_rows, row_bytes: int, *rows):
@@ -370,7 +370,7 @@ def _attention_in_cache(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfi
             visible = visibility_mask(lengths, T, slots, tree_mask, positions, W)  # bool[b, T, slots]
             return _xla_attention(q, k_cache[:, :, :slots], v_cache[:, :, :slots], visible, cfg)
 
-        return _by_row_groups(attend_prefix, _kv_row_bytes(k_cache, slots), q, k_cache, v_cache, lengths,
+        return _by_row_groups(attend_prefix, kv_row_bytes(k_cache, slots), q, k_cache, v_cache, lengths,
                               tree_mask, positions)
 
     def attend_rows(q, k_cache, v_cache, lengths, tree_mask, positions):  # any b of the B rows
@@ -380,7 +380,7 @@ def _attention_in_cache(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfi
         _, z, acc = _cache_blocks(_query_blocks(q, Hkv, G), k_cache, v_cache, jnp.max(lengths) + T, visible, cfg)
         return _heads_back((acc / z).astype(v_cache.dtype), T)
 
-    return _by_row_groups(attend_rows, _kv_row_bytes(k_cache, _read_block(S)), q, k_cache, v_cache, lengths,
+    return _by_row_groups(attend_rows, kv_row_bytes(k_cache, _read_block(S)), q, k_cache, v_cache, lengths,
                           tree_mask, positions)
 
 

@@ -1,6 +1,6 @@
 """Length-aware attention: a forward reads only the cache blocks its rows use, with the same result.
 
-The target's attention reads the cache a block of slots at a time (`_READ_BLOCK`), as many blocks as hold the
+The target's attention reads the cache a block of slots at a time (`READ_BLOCK`), as many blocks as hold the
 longest row's committed tokens and its new ones, and merges the blocks' softmax statistics. Rows of different
 lengths, chains and trees must give what a read of the whole cache gives (up to float summation order), and the
 decode loop must update the cache in place (no copy of a whole layer's buffer per step), which is what makes a
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ import pytest
 from flax import nnx
 
 import jaxspec
+from contracts import whole_copies
 from jaxspec import SamplingParams
 from jaxspec.cache import write_new
 from jaxspec.decode import NoProposer, PrefillSpec, StepSpec, decode, prefill
@@ -175,7 +175,7 @@ def small_row_groups(monkeypatch):
     """Attention in groups of rows whose K/V read is at most 2 rows' worth of a cache block (`row_group`). Traces
     are dropped around it, so no forward traced with the usual groups is reused."""
     jax.clear_caches()
-    monkeypatch.setattr(llama, "_ROW_GROUP_BYTES", 2 * 2 * CFG.num_kv_heads * llama._READ_BLOCK * CFG.head_dim * 4)
+    monkeypatch.setattr(llama, "ROW_GROUP_BYTES", 2 * 2 * CFG.num_kv_heads * llama.READ_BLOCK * CFG.head_dim * 4)
     yield
     jax.clear_caches()
 
@@ -188,7 +188,7 @@ on_cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="attenti
 def test_row_group():
     """Rows per attention group: the largest divisor of the batch within the byte budget, the whole batch when it
     fits, one row when even one is over."""
-    budget = llama._ROW_GROUP_BYTES
+    budget = llama.ROW_GROUP_BYTES
     assert row_group(128, budget // 4) == 4
     assert row_group(96, budget // 5) == 4  # 5 is not a divisor of 96
     assert row_group(7, budget // 3) == 1  # 7 is prime
@@ -199,7 +199,7 @@ def test_row_group():
 def test_row_group_is_the_whole_batch_off_a_cpu(monkeypatch):
     """Off a CPU one group holds every row, however much K/V they read."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert row_group(128, llama._ROW_GROUP_BYTES) == 128
+    assert row_group(128, llama.ROW_GROUP_BYTES) == 128
 
 
 @on_cpu_only
@@ -217,7 +217,7 @@ def test_attention_in_row_groups_equals_one_group(model, lengths, tree, small_ro
     else:
         mask, depth = None, jnp.arange(t, dtype=jnp.int32)
     positions = cache.lengths[:, None] + depth
-    assert row_group(batch, llama._kv_row_bytes(cache.k[0], llama._READ_BLOCK)) == 2  # so the rows go in groups
+    assert row_group(batch, llama.kv_row_bytes(cache.k[0], llama.READ_BLOCK)) == 2  # so the rows go in groups
 
     def forward(**kw):
         compiled = jax.jit(lambda c: model(new, positions, c, tree_mask=mask, **kw)).lower(cache).compile()
@@ -227,7 +227,7 @@ def test_attention_in_row_groups_equals_one_group(model, lengths, tree, small_ro
     for write in (True, False):
         (grouped, grouped_cache), hlo = forward(write_cache=write)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(llama, "_ROW_GROUP_BYTES", 1 << 40)
+            mp.setattr(llama, "ROW_GROUP_BYTES", 1 << 40)
             jax.clear_caches()
             (whole, whole_cache), whole_hlo = forward(write_cache=write)
         assert hlo.count(" while(") > whole_hlo.count(" while(")  # the groups' loop, around the blocks' loops
@@ -238,6 +238,7 @@ def test_attention_in_row_groups_equals_one_group(model, lengths, tree, small_ro
     np.testing.assert_allclose(np.asarray(results[False]), np.asarray(results[True]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.contract
 @pytest.mark.parametrize("method", ["none", "ngram", "tree"])
 @pytest.mark.parametrize("batch,groups", [(1, "usual"), (2, "usual"), (2, "small")])
 def test_decode_loop_updates_the_cache_in_place(batch, method, groups, request):
@@ -259,8 +260,7 @@ def test_decode_loop_updates_the_cache_in_place(batch, method, groups, request):
     state = prefill(lm.graphdef, lm.params, prompts, jnp.full((batch,), 5, jnp.int32), rows,
                     spec=PrefillSpec(cache_len=S, buffer_len=16, proposer=proposer))
     hlo = decode.lower(lm.graphdef, lm.params, state, rows, step=StepSpec(proposer, widths)).compile().as_text()
-    buffer = re.escape(f"f32[{batch},{CFG.num_kv_heads},{S},{CFG.head_dim}]")
-    copies = re.findall(rf"= {buffer}\S* copy\(", hlo)
+    copies = whole_copies(hlo, f"f32[{batch},{CFG.num_kv_heads},{S},{CFG.head_dim}]")
     assert not copies, f"{len(copies)} copies of a whole cache buffer in the decode loop"
     # The loop still runs and commits tokens.
     out = decode(lm.graphdef, lm.params, state, rows, step=StepSpec(proposer, widths))

@@ -8,32 +8,16 @@ fails here, before it costs every user minutes of compile.
 
 from __future__ import annotations
 
-import logging
-import re
-
 import jax
 import pytest
 
 import jaxspec
+from contracts import programs_compiled
 from jaxspec import SamplingParams, SpecConfig
 
+pytestmark = pytest.mark.contract
+
 PROMPTS = [[5, 6, 7, 8] * 3, [10, 11, 12] * 4, [3, 1, 4, 1, 5, 9] * 2]
-_COMPILING = re.compile(r"Compiling jit\((\w+)\)")
-# The programs of a call; the rest are small helpers (array setup, a gather) compiled in milliseconds.
-_LOOP_PROGRAMS = {"prefill", "decode", "decode_chunk", "_forward", "score_arrays"}
-
-
-def _compiled(caplog, call) -> dict[str, int]:
-    """{program: times compiled} while `call()` runs, for the loop's programs."""
-    caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="jax._src.interpreters.pxla"):
-        call()
-    counts: dict[str, int] = {}
-    for record in caplog.records:
-        m = _COMPILING.search(record.getMessage())
-        if m and m.group(1) in _LOOP_PROGRAMS:
-            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    return counts
 
 
 def _spec(method: str, head_files) -> SpecConfig | None:
@@ -65,7 +49,7 @@ def test_a_call_compiles_one_prefill_and_one_loop_with_the_methods_widths(tiny_l
     monkeypatch.setenv(jaxspec.cost.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(jaxspec.cost, "BACKGROUND", True)  # the library's default (benchkit turns it off)
     monkeypatch.setattr(jaxspec.cost._BACKGROUND_JOBS, "submit", lambda *a: None)
-    jaxspec.cost._MEMO.clear()
+    jaxspec.cost.forget_measured()
     spec = _spec(method, head_files)
     prepared = jaxspec.prepare(tiny_lm, PROMPTS[:rows], max_new_tokens=24, spec=spec)
     assert prepared.widths == WIDTHS[method, rows]
@@ -77,8 +61,8 @@ def test_a_call_compiles_one_prefill_and_one_loop_with_the_methods_widths(tiny_l
     def call():
         return jaxspec.generate(tiny_lm, PROMPTS[:rows], max_new_tokens=24, spec=spec, sampling=greedy)
 
-    assert _compiled(caplog, call) == {"prefill": 1, "decode": 1}
-    assert _compiled(caplog, call) == {}
+    assert programs_compiled(caplog, call) == {"prefill": 1, "decode": 1}
+    assert programs_compiled(caplog, call) == {}
 
 
 def test_a_cost_aware_call_compiles_no_timing_forward_before_decoding(tiny_lm, caplog, monkeypatch, tmp_path):
@@ -86,7 +70,7 @@ def test_a_cost_aware_call_compiles_no_timing_forward_before_decoding(tiny_lm, c
     same two programs; the forwards that time each width compile on the background thread, after the call."""
     monkeypatch.setenv(jaxspec.cost.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(jaxspec.cost, "BACKGROUND", True)  # the library's default (benchkit turns it off)
-    jaxspec.cost._MEMO.clear()
+    jaxspec.cost.forget_measured()
     jax.clear_caches()
     spec = SpecConfig(method="sam")
 
@@ -95,7 +79,7 @@ def test_a_cost_aware_call_compiles_no_timing_forward_before_decoding(tiny_lm, c
             return jaxspec.generate(tiny_lm, PROMPTS, max_new_tokens=24, spec=spec,
                                     sampling=SamplingParams(temperature=0.0))
 
-    assert _compiled(caplog, call) == {"prefill": 1, "decode": 1}
+    assert programs_compiled(caplog, call) == {"prefill": 1, "decode": 1}
     assert jaxspec.cost.wait_measured(timeout=300)
     assert len(jaxspec.cost.measured()) >= 1
-    jaxspec.cost._MEMO.clear()
+    jaxspec.cost.forget_measured()

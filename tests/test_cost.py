@@ -114,9 +114,9 @@ def test_unset_cost_awareness_means_above_one_row():
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv(cost.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cost, "BACKGROUND", False)  # measured before the call that asks: these tests read the table
-    cost._MEMO.clear()
+    cost.forget_measured()
     yield tmp_path
-    cost._MEMO.clear()
+    cost.forget_measured()
 
 
 def _oracle_run(lm, prompts, plain, sampling, cost_aware=True, drafts_per_row=None):
@@ -144,7 +144,7 @@ def test_measured_costs_keep_the_output_and_are_cached(tiny_lm, prompts, cache_d
     table = json.loads((cache_dir / "verify_cost.json").read_text())
     assert len(table) == 1 and all(c > 0 for c in next(iter(table.values())))
     # The next process (an empty memo) reads the file instead of measuring.
-    cost._MEMO.clear()
+    cost.forget_measured()
     monkeypatch.setattr(cost, "_measure", lambda *a, **k: pytest.fail("measured again despite the cache"))
     assert _oracle_run(tiny_lm, prompts, plain, MIXED).token_ids == plain.token_ids
 
@@ -160,10 +160,10 @@ def test_a_table_from_other_forward_code_is_measured_again(tiny_lm, cache_dir, m
 
     monkeypatch.setattr(cost, "_measure", measuring(2.0))
     assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (2.0, 2.0)
-    cost._MEMO.clear()  # a new process, same code: the file answers
+    cost.forget_measured()  # a new process, same code: the file answers
     monkeypatch.setattr(cost, "_measure", lambda *a: pytest.fail("measured again under the same code"))
     assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (2.0, 2.0)
-    cost._MEMO.clear()  # a new process, other code: measured again
+    cost.forget_measured()  # a new process, other code: measured again
     monkeypatch.setattr(cost, "_forward_code", lambda model_type: "other code")
     monkeypatch.setattr(cost, "_measure", measuring(5.0))
     assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (5.0, 5.0)
@@ -269,7 +269,7 @@ def test_the_default_declines_dear_widths_above_one_row(tiny_lm, prompts, cache_
     one = _oracle_run(tiny_lm, prompts[:1], plain_one, greedy, cost_aware=None)
     assert one.token_ids == plain_one.token_ids
     assert one.stats.drafted > 0 and one.stats.accepted > 0
-    cost._MEMO.clear()
+    cost.forget_measured()
     monkeypatch.setattr(cost, "_measure", lambda lm, batch, cache_len, widths, *a: tuple(1.0 for _ in widths))
     cheap = _oracle_run(tiny_lm, prompts, plain, greedy, cost_aware=None)
     assert cheap.token_ids == plain.token_ids
@@ -395,7 +395,7 @@ def test_an_unmeasured_shape_answers_with_the_prior_and_measures_between_calls(t
 
     monkeypatch.setenv(cost.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cost, "BACKGROUND", True)  # the library's default (benchkit, if imported, turns it off)
-    cost._MEMO.clear()
+    cost.forget_measured()
     started, release, threads = threading.Event(), threading.Event(), []
 
     def measure(lm, batch, cache_len, widths, cached, attention_impl, repeats, key):
@@ -419,7 +419,7 @@ def test_an_unmeasured_shape_answers_with_the_prior_and_measures_between_calls(t
     assert threads == ["jaxspec-verify-cost"]
     p = jaxspec.prepare(tiny_lm, prompts, max_new_tokens=8, spec=sam)
     assert p.verify_cost.tolist() == [float(w) for w in p.widths]  # measured: what `_measure` returned
-    cost._MEMO.clear()
+    cost.forget_measured()
 
 
 def test_a_call_holds_the_measurement_off_from_the_moment_it_asks_for_a_table(tiny_lm, prompts, tmp_path,
@@ -428,10 +428,10 @@ def test_a_call_holds_the_measurement_off_from_the_moment_it_asks_for_a_table(ti
     timing forward's compile in between the question and the decoding."""
     monkeypatch.setenv(cost.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cost, "BACKGROUND", True)  # the library's default (benchkit turns it off)
-    cost._MEMO.clear()
+    cost.forget_measured()
     in_flight = []
     monkeypatch.setattr(cost._BACKGROUND_JOBS, "submit", lambda *a: in_flight.append(cost._BACKGROUND_JOBS._busy))
     out = jaxspec.generate(tiny_lm, prompts, max_new_tokens=8, spec=SpecConfig(method="sam"),
                            sampling=SamplingParams(temperature=0.0))
     assert in_flight == [1] and out.stats.steps > 0
-    cost._MEMO.clear()
+    cost.forget_measured()

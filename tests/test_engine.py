@@ -841,21 +841,21 @@ def forcing_automaton(vocab: int = 97):
                           vocab_size=vocab)
 
 
-def test_new_automata_keep_the_batch_shape_and_compile_nothing(fresh_engine):
+@pytest.mark.contract
+def test_new_automata_keep_the_batch_shape_and_compile_nothing(fresh_engine, caplog):
     """The batch's stacked automata are padded to the engine's constraint capacity, free or not: automata of
     new sizes join the batch without compiling a prefill or decode program."""
-    from jaxspec.decode import decode_chunk, prefill
+    from contracts import programs_compiled
     from test_constrained import parity_automaton
 
     engine = fresh_engine(dataclasses.replace(CONFIG, constraint_states=8, constraint_edges=256)).start(warmup=False)
     run_all(engine, [Request(PROMPTS[0], 8)])  # compiles the programs once, over the free stack
     shape = engine.runner.state.constraint.automaton.value.allowed.shape
-    compiled = (decode_chunk._cache_size(), prefill._cache_size())
     for constraint in (parity_automaton(), forcing_automaton(), parity_automaton()):  # 2, 4, 2 states
-        run_all(engine, [Request(PROMPTS[1], 8, constraint=constraint)])
+        assert programs_compiled(caplog, lambda c=constraint: run_all(engine, [Request(PROMPTS[1], 8, constraint=c)]),
+                                 {"prefill", "decode_chunk"}) == {}
         stacked = engine.runner.state.constraint.automaton.value
         assert (stacked.num_states, stacked.num_edges) == (8, 256) and stacked.allowed.shape == shape
-    assert (decode_chunk._cache_size(), prefill._cache_size()) == compiled
 
 
 def test_an_automaton_beyond_the_capacity_is_refused_naming_it(fresh_engine):

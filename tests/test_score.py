@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import jaxspec
-from jaxspec.score import _score_jit
+from contracts import programs_compiled
 
 VOCAB = 97  # the tiny model's
 WIDTH = 16
@@ -143,12 +143,14 @@ def test_top_logprobs_and_ranks_are_the_vocabulary_order(tiny_lm, rows):
     assert np.all(np.asarray(res.ranks)[~np.asarray(res.mask)] == 0)
 
 
-def test_new_params_reuse_the_program_and_score_under_those_weights(tiny_lm, rows):
+@pytest.mark.contract
+def test_new_params_reuse_the_program_and_score_under_those_weights(tiny_lm, rows, caplog):
     scaled = jax.tree.map(lambda x: x * 1.5, tiny_lm.params)
     base = jaxspec.score(tiny_lm, rows, lengths=LENGTHS, prompt_lens=PROMPT_LENS, top_logprobs=3)
-    compiled = _score_jit._cache_size()
-    res = jaxspec.score(tiny_lm, rows, lengths=LENGTHS, prompt_lens=PROMPT_LENS, top_logprobs=3, params=scaled)
-    assert _score_jit._cache_size() == compiled
+    res = []
+    assert programs_compiled(caplog, lambda: res.append(jaxspec.score(
+        tiny_lm, rows, lengths=LENGTHS, prompt_lens=PROMPT_LENS, top_logprobs=3, params=scaled))) == {}
+    res = res[0]
     want = np.asarray(reference(tiny_lm, scaled, rows[2], LENGTHS[2], PROMPT_LENS[2]))
     np.testing.assert_allclose(np.asarray(res.logprobs[2]), want, atol=2e-5)
     assert np.abs(np.asarray(res.logprobs) - np.asarray(base.logprobs)).max() > 1e-2

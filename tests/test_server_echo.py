@@ -21,7 +21,7 @@ import pytest
 
 import jaxspec
 import test_server as served
-from jaxspec.score import _score_jit
+from contracts import programs_compiled
 from jaxspec.serving.echo import PromptScorer
 
 pytestmark = pytest.mark.real_model
@@ -173,17 +173,18 @@ def test_bad_values_get_400_naming_the_field_and_the_server_keeps_serving(server
     assert r.choices[0].text.startswith(PROMPT) and r.usage.completion_tokens == 2
 
 
-def test_prompt_scoring_compiles_once_per_width_and_padding_changes_nothing(tiny_lm):
+@pytest.mark.contract
+def test_prompt_scoring_compiles_once_per_width_and_padding_changes_nothing(tiny_lm, caplog):
     engine = SimpleNamespace(lm=tiny_lm, config=SimpleNamespace(max_logprobs=20), max_context=256)  # what it reads
     scorer = PromptScorer(engine, token_text=None)
     ids = np.random.default_rng(0).integers(0, tiny_lm.config.vocab_size, size=40).tolist()
-    compiled = None
     for n, new_programs in ((3, None), (9, 0), (16, 0), (17, 1), (32, 0)):
-        got = scorer.score(ids[:n], with_top=True)
-        if compiled is not None:
-            assert _score_jit._cache_size() - compiled == new_programs, n
+        scored = []
+        compiled = programs_compiled(caplog, lambda n=n, out=scored: out.append(scorer.score(ids[:n], with_top=True)))
+        got = scored[0]
+        if new_programs is not None:
+            assert compiled.get("score_arrays", 0) == new_programs, n
         want = jax.device_get(jaxspec.score(tiny_lm, [ids[:n]], top_logprobs=scorer.top_width))  # unpadded
-        compiled = _score_jit._cache_size()
         np.testing.assert_allclose(got.logprobs, want.logprobs[0, 1:], atol=1e-5)
         np.testing.assert_allclose(got.top_logprobs, want.top_logprobs[0, 1:], atol=1e-5)
         assert got.ranks.tolist() == want.ranks[0, 1:].tolist()
