@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cost, predicted, sharding
+from . import cost, predicted_outputs, sharding
 from .builders import build_proposer
 from .cache import kv_bytes_per_slot
 from .constraints import rows as constraint_rows
@@ -323,7 +323,7 @@ class _Request:
     max_new_tokens: int
     logprobs: int | None
     attention_impl: str
-    predictions: predicted.Predictions | None = None
+    predictions: predicted_outputs.Predictions | None = None
     constraint: constraint_rows.ConstraintRows | None = None
     stop: tuple[tuple[str, ...], ...] | None = None  # per row, the stop strings (None: none anywhere)
 
@@ -356,7 +356,7 @@ def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, samp
     rows = _seeded(_row_sampling(sampling, len(ids)), rng)
     return _Request(ids=ids, sampling=rows, stop_table=stop_table, spec=spec, max_new_tokens=max_new_tokens,
                     logprobs=logprobs, attention_impl=attention_impl,
-                    predictions=predicted.normalise(lm, prediction, len(ids), lm.config.vocab_size),
+                    predictions=predicted_outputs.normalise(lm, prediction, len(ids), lm.config.vocab_size),
                     constraint=constraint_rows.rows_for(lm, constraint, len(ids)),
                     stop=check_stop_strings(lm, stop, len(ids)))
 
@@ -370,7 +370,7 @@ class Prepared:
         state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params,
                         p.processors, spec=p.prefill_spec)
         if p.predictions is not None:
-            state = jaxspec.predicted.install(state, p.predictions)
+            state = jaxspec.predicted_outputs.install(state, p.predictions)
         state = decode(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step,
                        verify_cost=p.verify_cost)
         tokens, counts = p.new_tokens(state)
@@ -391,8 +391,8 @@ class Prepared:
     logprob_rows: jax.Array | None = None  # bool[B] rows that record log-probabilities, or None
     num_top_logprobs: int = 0  # most likely tokens recorded per position (with logprob_rows)
     track_counts: bool = False  # some row has a penalty: the state counts tokens (`jaxspec.penalties`)
-    # generate's prediction=: install them after prefill (`predicted.install`); the proposer drafts from them
-    predictions: predicted.Predictions | None = None
+    # generate's prediction=: install them after prefill (`predicted_outputs.install`); the proposer drafts from them
+    predictions: predicted_outputs.Predictions | None = None
     # generate's constraint=: each row's automaton state and the batch's automata (`Prepared.processors`)
     constraint: constraint_rows.ConstraintRows | None = None
 
@@ -494,7 +494,7 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     widths = req.spec.verify_widths
     corpus = proposer.uses_corpus  # before a wrapper hides it
     if req.predictions is not None:
-        proposer = predicted.wrap(proposer, req.spec, req.predictions)
+        proposer = predicted_outputs.wrap(proposer, req.spec, req.predictions)
     if req.constraint is not None:
         proposer = constraint_rows.wrap(proposer, forced_token_budget(req.spec))
     if proposer.num_speculative_tokens > req.spec.num_speculative_tokens:
@@ -658,7 +658,7 @@ def _generate(lm: LanguageModel, req: _Request, p: Prepared) -> GenerateResult:
         state = prefill(lm.graphdef, lm.params, p.prompts, p.prompt_lens, p.rows, p.proposer_params, p.processors,
                         spec=p.prefill_spec)
         if p.predictions is not None:
-            state = predicted.install(state, p.predictions)
+            state = predicted_outputs.install(state, p.predictions)
         jax.block_until_ready(state.history)
         t1 = time.perf_counter()
         state = decode(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step,
@@ -667,7 +667,7 @@ def _generate(lm: LanguageModel, req: _Request, p: Prepared) -> GenerateResult:
             (state.history, state.history_len, state.steps, state.counters, state.logprobs, state.pstate))
     t2 = time.perf_counter()
     return _result(lm, req, history, history_len, steps, counters, buffer, prefill_s=t1 - t0, decode_s=t2 - t1,
-                   prediction_counts=predicted.counts(pstate) if req.predictions is not None else None)
+                   prediction_counts=predicted_outputs.counts(pstate) if req.predictions is not None else None)
 
 
 def check_stop_strings(lm: LanguageModel, stop, batch: int) -> tuple[tuple[str, ...], ...] | None:

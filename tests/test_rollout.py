@@ -22,7 +22,7 @@ from jaxspec.proposers.index.group_automaton import GroupAutomaton
 from jaxspec.proposers.index.group_match import GroupMatch
 from jaxspec.rollouts import TailPolicy, batch_buckets, sample_seeds
 from jaxspec.rollouts import inputs as rollout_inputs
-from jaxspec.rollouts.policy import DraftingOverhead, overhead_for
+from jaxspec.rollouts.tail_policy import DraftingOverhead, overhead_for
 from jaxspec.sampling import process_logits
 
 PROMPTS = [[5, 6, 7, 8, 5, 6], [10, 11, 12, 13, 10, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6, 5]]

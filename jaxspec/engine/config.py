@@ -35,8 +35,8 @@ class EngineConfig:
     # scripts/bench_serve.py --engine --prefill-batches 1,8).
     max_prefill_batch: int | None = None
     # Predicted outputs: the longest prediction (in tokens) a request may carry; 0 serves none. With it, every
-    # row drafts up to spec.prediction_tokens tokens a step from its prediction (`jaxspec.predicted`), and the
-    # loop compiles the wider verify widths that takes.
+    # row drafts up to spec.prediction_tokens tokens a step from its prediction (`jaxspec.predicted_outputs`),
+    # and the loop compiles the wider verify widths that takes.
     max_prediction_len: int = 0
     # Structured output: rows may decode under a constraint (`Request.constraint`); every row then carries an
     # automaton state and the batch the stacked automata of its rows (`jaxspec.constraints.rows`).

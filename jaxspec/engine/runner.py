@@ -31,7 +31,7 @@ from ..decode import PrefillSpec, StepSpec, decode_chunk, pinned, prefill
 from ..generation import default_attention_impl
 from ..logprobs import TokenLogprob, to_host, window
 from ..models.loading import LanguageModel
-from ..predicted import RESYNC_MIN_MATCH, RESYNC_NGRAM
+from ..predicted_outputs import RESYNC_MIN_MATCH, RESYNC_NGRAM
 from ..processors import ProcessorRequest
 from ..proposers.base import BatchShared
 from ..proposers.mixed import MixedParams, MixedProposer, MixedState

@@ -42,9 +42,9 @@ from ..shapes import bucket_shapes
 from ..spec_config import SpecConfig
 from ..state import DecodeState, RowLimits, RowParams
 from .inputs import RolloutInputs, check_memory, validate
-from .policy import MODES, TailPolicy, overhead_for
 from .result import ChunkRecord, RolloutResult, SampleRecord, timeline_stats
 from .stops import StopStrings
+from .tail_policy import MODES, TailPolicy, overhead_for
 
 MIN_COMPACT_BATCH = 8  # below 8 rows XLA:CPU runs a forward no faster than at 8 (docs/cpu-performance.md)
 
