@@ -5,7 +5,9 @@ count), and what a step pays for in memory traffic is any copy of a whole buffer
 is not in place. Tests of either carry the `contract` marker (`pytest -m contract` runs them all) and use these
 helpers:
 - `programs_compiled(caplog, call)`: {program: times compiled} while `call()` runs, for the loop's programs
-  (from JAX's "Compiling jit(name)" log, so it sees every thread: the engine's, the background measurements');
+  (from JAX's "Compiling jit(name)" log, so it sees every thread: the engine's, the background measurements').
+  A test asserting {} relies on that log naming programs; test_compile_count and test_server_echo assert
+  programs that do compile, so a JAX whose log reads otherwise fails there instead of passing here unseen;
 - `whole_copies(hlo, shape)`: the instructions of a compiled program's HLO text that copy a whole array.
 """
 
