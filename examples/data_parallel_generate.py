@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     rollout_settings = dict(num_samples=2, max_new_tokens=args.max_new_tokens, seed=args.seed,
                             sampling=jaxspec.SamplingParams(temperature=1.0),
                             spec=None if args.method == "none" else jaxspec.SpecConfig(method="group_sam"),
-                            speculation="always")  # draft from the first step, not only in the tail
+                            speculation="fixed")  # draft from the first step, not only in the tail
     if args.rollout:
         rolled = distributed.rollout_data_parallel(lm, mine, **rollout_settings)
         print(f"process {me}: rollout of {len(mine)} prompts, drafted {rolled.local.stats.drafted}, "

@@ -256,7 +256,7 @@ class GRPOConfig:
     micro_batch: int = 4
     seed: int = 0
     spec_method: str = "group_sam"
-    speculation: str = "adaptive"  # rollout's draft policy: "adaptive", "always" or "off"
+    speculation: str = "adaptive"  # rollout's draft policy: "adaptive", "fixed" or "off"
 
 
 class GRPOTrainer:
@@ -521,7 +521,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per gradient forward")
     p.add_argument("--spec", default=d.spec_method,
                    help="the rollout's SpecConfig method (group_sam, sam, ...; none: plain sampling)")
-    p.add_argument("--speculation", default=d.speculation, choices=["adaptive", "always", "off"])
+    p.add_argument("--speculation", default=d.speculation, choices=["adaptive", "fixed", "off"])
     p.add_argument("--parse-credit", type=float, default=0.1, help="reward of code that parses but fails")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per test program")
     p.add_argument("--workers", type=int, default=4, help="test programs run at once")

@@ -15,7 +15,7 @@ Here four client threads submit at once:
   within one chunk and its final event says finish_reason "cancelled".
 
 Each client reads its `Output` events from a queue its callback fills (callbacks run on the engine thread, so
-they only hand the event over). The default policy (`jaxspec.policy.AdaptivePolicy`) lowers the draft cap as
+they only hand the event over). The default policy (`jaxspec.policy.DraftPolicy`) lowers the draft cap as
 more rows run, so the "sam" row drafts less here than it would alone. The "sam" client prints its text as
 it streams; at the end each request's `RequestStats` (steps, drafted and accepted tokens) is printed, and
 the engine shuts down. Exit status 1 if the greedy pair differs or the cancellation did not take.

@@ -80,7 +80,7 @@ _ALL = (
            served=True, defaults=_defaults(num_speculative_tokens=16, min_match=1, draft_per_match=2.0,
                                            verify_widths=(1, 5, 9, 17))),
     # Rollouts (jaxspec.rollout): a row drafts from every sample of its prompt. Verify widths 3 and 5 let the
-    # rollout's tail policy speculate a little at batch sizes where width 9 does not pay yet.
+    # rollout's draft policy speculate a little at batch sizes where width 9 does not pay yet.
     Method("group_sam", "lookup", "longest suffix match over every sample of the row's prompt group (rollouts)",
            defaults=_defaults(num_speculative_tokens=8, min_match=2, draft_per_match=math.inf,
                               verify_widths=(1, 3, 5, 9))),

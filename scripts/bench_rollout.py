@@ -18,7 +18,7 @@ group_sam@match, sam@automaton; without one it takes the default ("auto"). group
 group_sam+refs/2@match.
 
 The speculation runs use the policy `--speculation` names: by default adaptive (speculate where the measured
-verify cost of the current batch is repaid by the measured acceptance); "always" measures drafting quality.
+verify cost of the current batch is repaid by the measured acceptance); "fixed" measures drafting quality.
 Every run must produce the same samples as `generate` and as rollout-none (the table counts identical samples
 against each; on a GPU at XLA's default TF32 precision they can differ, see docs/how-to/rollouts.md). Reported:
 whole-rollout wall time and its ratio to rollout-none, the tail (from 90%
@@ -28,7 +28,7 @@ or anywhere in its group, predicts. A plot shows active rows and committed token
 
     python scripts/bench_rollout.py                                   # 16 x 8, 256 tokens, T = 0.7 and 1.0
     python scripts/bench_rollout.py --prompts 4 --samples 8 --new-tokens 128 --temperatures 0.7 --repeats 1
-    python scripts/bench_rollout.py --methods none,group_sam@automaton,group_sam,group_sam/2 --speculation always
+    python scripts/bench_rollout.py --methods none,group_sam@automaton,group_sam,group_sam/2 --speculation fixed
     python scripts/bench_rollout.py --stop humaneval --new-tokens 512 --methods generate,none,group_sam
 
 `--stop humaneval` cuts each sample where HumanEval's scoring cuts it (the end of the function: "\\ndef",
@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--repeats", type=int, default=1, help="timed rounds after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--speculation", default="adaptive", choices=("adaptive", "always", "off"),
-                        help="the rollouts' speculation policy (always: measure drafting quality where it loses)")
+    parser.add_argument("--speculation", default="adaptive", choices=("adaptive", "fixed", "off"),
+                        help="the rollouts' speculation policy (fixed: measure drafting quality where it loses)")
     parser.add_argument("--stop", default="none", choices=("none", "humaneval"),
                         help="stop strings: none (samples end at EOS or the budget) or HumanEval's end of function")
     parser.add_argument("--out", default="bench_out/rollout")

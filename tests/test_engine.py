@@ -26,7 +26,7 @@ import pytest
 import jaxspec
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.engine import Engine, EngineConfig, EngineStopped, InvalidRequest, Output, QueueFull, Request
-from jaxspec.policy import AdaptivePolicy, FixedPolicy, OffPolicy
+from jaxspec.policy import DraftPolicy
 
 TIMEOUT_S = 300  # the first request of the module waits for the compiles
 K = 4
@@ -138,21 +138,21 @@ def fixed_engine(tiny_lm, chunk_log):
         if kind == "chunk":
             chunk_log.append(info)
 
-    engine = Engine(tiny_lm, CONFIG, policy=FixedPolicy(), observers=[observe]).start(warmup=False)
+    engine = Engine(tiny_lm, CONFIG, policy=DraftPolicy("fixed"), observers=[observe]).start(warmup=False)
     yield engine
     _shutdown(engine)
 
 
 @pytest.fixture(scope="module")
 def off_engine(tiny_lm):
-    engine = Engine(tiny_lm, CONFIG, policy=OffPolicy()).start(warmup=False)
+    engine = Engine(tiny_lm, CONFIG, policy=DraftPolicy("off")).start(warmup=False)
     yield engine
     _shutdown(engine)
 
 
 @pytest.fixture(scope="module")
 def adaptive_engine(tiny_lm):
-    engine = Engine(tiny_lm, CONFIG, policy=AdaptivePolicy()).start(warmup=False)
+    engine = Engine(tiny_lm, CONFIG, policy=DraftPolicy()).start(warmup=False)
     yield engine
     _shutdown(engine)
 
@@ -171,7 +171,7 @@ def fresh_engine(tiny_lm):
     engines = []
 
     def make(config: EngineConfig = CONFIG, policy=None, observers=()) -> Engine:
-        engines.append(Engine(tiny_lm, config, policy=policy or FixedPolicy(), observers=observers))
+        engines.append(Engine(tiny_lm, config, policy=policy or DraftPolicy("fixed"), observers=observers))
         return engines[-1]
 
     yield make
@@ -638,7 +638,7 @@ def test_cancel_a_waiting_request(tiny_lm, fresh_engine):
 
 
 def test_a_failing_callback_does_not_stop_the_others(tiny_lm):
-    engine = Engine(tiny_lm, CONFIG, policy=FixedPolicy())
+    engine = Engine(tiny_lm, CONFIG, policy=DraftPolicy("fixed"))
 
     def failing(out: Output) -> None:
         raise RuntimeError("this client went away")

@@ -23,7 +23,7 @@ from jaxspec.engine import Engine, EngineMetrics, Request, slots
 from jaxspec.engine.request import MAX_STOP_IDS, LiveRequest, validate
 from jaxspec.engine.runner import Runner
 from jaxspec.limits import eos_ids
-from jaxspec.policy import FixedPolicy
+from jaxspec.policy import DraftPolicy
 from jaxspec.state import DecodeState
 from test_engine import CONFIG, PROMPTS, K, N, offline, run_all
 
@@ -195,7 +195,7 @@ class ByHand:
         self.rows = [self.rows[i] for i in keep] + [None] * (n - len(keep))
 
     def chunk(self) -> None:
-        caps = np.full((CONFIG.max_slots + 1,), K, np.int32)  # FixedPolicy's table
+        caps = np.full((CONFIG.max_slots + 1,), K, np.int32)  # DraftPolicy("fixed")'s table
         result = self.runner.run_chunk(self.rows, caps)
         for i, update in result.rows.items():
             live = self.rows[i]
@@ -236,7 +236,7 @@ def test_runner_by_hand_equals_the_threaded_engine(tiny_lm):
             hand.regroup(keep, smallest)
     assert sorted(hand.final) == [0, 1, 2, 3]
 
-    engine = Engine(tiny_lm, CONFIG, policy=FixedPolicy()).start(warmup=False)
+    engine = Engine(tiny_lm, CONFIG, policy=DraftPolicy("fixed")).start(warmup=False)
     try:
         results = run_all(engine, REQUESTS)
     finally:

@@ -186,7 +186,7 @@ def grpo_lm(tiny_lm):
 
 def _grpo_config(ex, **kw):
     base = dict(num_samples=4, max_new_tokens=24, steps=2, lr=3e-2, train_layers=-1, train_embeddings=True,
-                micro_batch=4, speculation="always")
+                micro_batch=4, speculation="fixed")
     return ex.GRPOConfig(**{**base, **kw})
 
 
@@ -245,7 +245,7 @@ def test_grpo_update_raises_the_log_probability_of_high_advantage_samples(grpo_l
     config = _grpo_config(ex, lr=1e-3)
     res = jaxspec.rollout(grpo_lm, GRPO_PROMPTS, num_samples=config.num_samples,
                           max_new_tokens=config.max_new_tokens, sampling=jaxspec.SamplingParams(temperature=1.0),
-                          spec=jaxspec.SpecConfig(method="group_sam"), speculation="always", seed=3)
+                          spec=jaxspec.SpecConfig(method="group_sam"), speculation="fixed", seed=3)
     adv = ex.group_advantages(_toy_reward(res))
     assert np.abs(adv).max() > 0.5
     batch = ex.make_batch(GRPO_PROMPTS, res.token_ids, res.logprobs, adv, max_new_tokens=config.max_new_tokens,

@@ -135,13 +135,13 @@ def test_a_scanned_model_serves_in_the_engine(tiny_lm):
     """The engine admits rows into its batch, regroups them and speculates with the stacked cache: every request
     gets generate's greedy tokens."""
     from jaxspec.engine import Engine, EngineConfig, Request
-    from jaxspec.policy import FixedPolicy
+    from jaxspec.policy import DraftPolicy
 
     scanned = _with_loop(tiny_lm, "scan")
     prompts = [[5, 6, 7, 8] * 3, [10, 11, 12] * 4, [3, 1, 4, 1, 5, 9] * 2]
     config = EngineConfig(max_slots=4, cache_len=128, chunk_steps=4, slot_buckets=(1, 2, 4),
                           spec=SpecConfig(method="sam", num_speculative_tokens=4, min_match=2))
-    engine = Engine(scanned, config, policy=FixedPolicy()).start(warmup=False)
+    engine = Engine(scanned, config, policy=DraftPolicy("fixed")).start(warmup=False)
     try:
         outputs = [[] for _ in prompts]
         finished = [threading.Event() for _ in prompts]
@@ -172,7 +172,7 @@ def test_a_scanned_model_rolls_out(tiny_lm):
     kw = dict(num_samples=3, max_new_tokens=24, sampling=jaxspec.SamplingParams(temperature=0.8), seed=1,
               chunk_steps=4, stop_token_ids=[93])
     ref = jaxspec.rollout(tiny_lm, prompts, **kw)
-    got = jaxspec.rollout(scanned, prompts, spec=SpecConfig(method="group_sam"), speculation="always", **kw)
+    got = jaxspec.rollout(scanned, prompts, spec=SpecConfig(method="group_sam"), speculation="fixed", **kw)
     assert got.token_ids == ref.token_ids and got.stats.drafted > 0
     batches = [c.batch for c in got.stats.chunks]
     assert min(batches) < batches[0], batches  # finished rows left the batch: the stacked cache was compacted

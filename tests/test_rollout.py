@@ -18,11 +18,11 @@ import jaxspec
 from contracts import programs_compiled
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.decode import NoProposer, decode_chunk
+from jaxspec.policy import GainModel
 from jaxspec.proposers.index.group_automaton import GroupAutomaton
 from jaxspec.proposers.index.group_match import GroupMatch
-from jaxspec.rollouts import TailPolicy, batch_buckets, sample_seeds
+from jaxspec.rollouts import batch_buckets, sample_seeds
 from jaxspec.rollouts import inputs as rollout_inputs
-from jaxspec.rollouts.tail_policy import DraftingOverhead, overhead_for
 from jaxspec.sampling import process_logits
 
 PROMPTS = [[5, 6, 7, 8, 5, 6], [10, 11, 12, 13, 10, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
@@ -34,7 +34,7 @@ MIXED = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=
 
 @pytest.fixture(scope="module", autouse=True)
 def _measured_costs(tmp_path_factory):
-    """The tail policy weighs forward costs measured here, in a folder of this module's (the suite switches
+    """The draft policy weighs forward costs measured here, in a folder of this module's (the suite switches
     measuring off elsewhere), before the rollout that asks for them: each run sees the same table."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(jaxspec.cost.CACHE_ENV, str(tmp_path_factory.mktemp("verify_cost")))
@@ -54,7 +54,7 @@ def peaked_lm(tiny_lm):
 def _run(lm, method, sam_index="auto", paths=None, **kw):
     spec = None if method == "none" else SpecConfig(method=method, sam_index=sam_index, tree_top_k=paths)
     kw.setdefault("sampling", MIXED)
-    kw.setdefault("speculation", "always")
+    kw.setdefault("speculation", "fixed")
     kw.setdefault("stop_token_ids", STOP)
     return jaxspec.rollout(lm, PROMPTS, num_samples=G, max_new_tokens=N, spec=spec, seed=7, chunk_steps=4, **kw)
 
@@ -151,7 +151,7 @@ def test_compaction_gives_the_same_tokens_as_none(peaked_lm, plain):
 
 def test_greedy_group_sam_equals_greedy_generate(peaked_lm):
     res = jaxspec.rollout(peaked_lm, PROMPTS, num_samples=2, max_new_tokens=N, sampling=SamplingParams(),
-                          spec=SpecConfig(method="group_sam"), speculation="always", chunk_steps=4)
+                          spec=SpecConfig(method="group_sam"), speculation="fixed", chunk_steps=4)
     ref = jaxspec.generate(peaked_lm, PROMPTS, max_new_tokens=N)
     for p, group in enumerate(res.token_ids):
         assert group == [ref.token_ids[p]] * 2
@@ -196,7 +196,7 @@ def test_logprobs_equal_a_teacher_forced_forward(peaked_lm, grouped, mode):
 def test_new_params_run_without_recompiling(peaked_lm, caplog):
     perturbed = [jax.tree.map(lambda x, s=s: x * s, peaked_lm.params) for s in (1.0, 0.97, 1.03)]
     kw = dict(num_samples=G, max_new_tokens=16, sampling=SamplingParams(temperature=0.8),
-              spec=SpecConfig(method="group_sam"), speculation="always", chunk_steps=4, seed=1)
+              spec=SpecConfig(method="group_sam"), speculation="fixed", chunk_steps=4, seed=1)
     first = jaxspec.rollout(peaked_lm, PROMPTS, params=perturbed[0], **kw)
     outs = []
     assert programs_compiled(caplog, lambda: outs.extend(jaxspec.rollout(peaked_lm, PROMPTS, params=p, **kw)
@@ -213,8 +213,8 @@ def test_automata_catch_up_when_speculation_turns_on(peaked_lm, plain, monkeypat
 
     calls = {"finished_at_catch_up": []}
 
-    def choose(self, batch):  # no drafts until the batch compacts, then the full K
-        return 0 if batch == len(PROMPTS) * G else self.k
+    def cap(self, batch, k):  # no drafts until the batch compacts, then the full K
+        return 0 if batch == len(PROMPTS) * G else k
 
     catch_up, collect = rollout_run._Rollout._catch_up, rollout_run._Rollout._collect
 
@@ -226,7 +226,7 @@ def test_automata_catch_up_when_speculation_turns_on(peaked_lm, plain, monkeypat
         calls["state"], calls["rows"] = state, rows.copy()
         return collect(self, state, rows, which)
 
-    monkeypatch.setattr(TailPolicy, "choose", choose)
+    monkeypatch.setattr(GainModel, "cap", cap)
     monkeypatch.setattr(rollout_run._Rollout, "_catch_up", spy_catch_up)
     monkeypatch.setattr(rollout_run._Rollout, "_collect", spy_collect)
     res = _run(peaked_lm, "group_sam", sam_index=index, speculation="adaptive")
@@ -353,7 +353,7 @@ def test_stats_are_consistent(plain, grouped):
         assert s.tail_row_steps <= s.row_steps
         # Each chunk's run time excludes compiling (these rollouts compiled their programs in their chunks).
         assert all(c.run_s > 0 for c in s.chunks) and sum(c.run_s for c in s.chunks) < s.wall_s - s.prefill_s
-        # Both never switch between drafting and plain chunks (K = 0; speculation="always"), so no pair of
+        # Both never switch between drafting and plain chunks (K = 0; speculation="fixed"), so no pair of
         # chunks teaches the policy a drafting cost within them.
         assert len({c.drafting_overhead for c in s.chunks}) == 1
 
@@ -365,81 +365,3 @@ def test_batch_buckets():
     assert batch_buckets(1) == (1,)
 
 
-def _policy(costs, **kw):
-    return TailPolicy(8, (1, 3, 5, 9), lambda b: costs[b], **kw)
-
-
-def test_tail_policy_speculates_where_the_measured_cost_pays():
-    costs = {128: {1: 1.0, 3: 2.6, 5: 4.1, 9: 7.5}, 8: {1: 1.0, 3: 1.1, 5: 1.2, 9: 1.5}}
-    policy = _policy(costs)
-    assert policy.choose(128) == 0  # compute-bound: nothing pays at the prior acceptance
-    assert policy.choose(8) > 0
-    # Measured: drafts at position 0 accepted in 60% of row-steps, decaying: K grows at the cheap batch.
-    for _ in range(3):
-        policy.observe(8, np.array([0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.3, 0.25]) * 100, 100)
-    assert policy.choose(8) == 8
-    # Measured: almost nothing accepted: speculation goes off even where verifying is cheap.
-    cold = _policy(costs)
-    for _ in range(3):
-        cold.observe(8, np.array([0.02, 0.01, 0, 0, 0, 0, 0, 0]) * 100, 100)
-    assert cold.choose(8) == 0
-    assert _policy(costs, mode="always").choose(128) == 8
-    assert _policy(costs, mode="off").choose(8) == 0
-    assert TailPolicy(8, (1, 9), lambda b: None).choose(8) == 8  # no cost table: the full K
-
-
-def test_tail_policy_learns_what_a_drafting_chunk_costs():
-    # At 128 rows the verify forward alone predicts c(3) = 1.22, so the prior acceptance explores width 3; the
-    # chunk then ran 1.61x the plain chunk beside it (drafting, sampling at 3 positions, the switch).
-    costs = {128: {1: 1.0, 3: 1.22, 5: 1.55, 9: 2.25}, 64: {1: 1.0, 3: 1.2, 5: 1.5, 9: 2.2},
-             8: {1: 1.0, 3: 1.05, 5: 1.1, 9: 1.3}}
-    shared = DraftingOverhead()
-    policy = _policy(costs, overhead=shared)
-    assert policy.choose(128) == 2
-    nothing = np.zeros(8)
-    policy.observe(2, nothing, 128 * 16, batch=128, step_seconds=1.61)
-    assert shared.factor(128) == 1.0  # one chunk alone is no comparison
-    policy.observe(0, nothing, 128 * 16, batch=128, step_seconds=1.0)
-    assert shared.factor(128) == pytest.approx(1.61 / 1.22)
-    # Two plain chunks, or chunks at different batches, are not paired.
-    policy.observe(0, nothing, 128 * 16, batch=128, step_seconds=2.0)
-    policy.observe(1, nothing, 64 * 16, batch=64, step_seconds=9.0)
-    policy.observe(0, nothing, 32 * 16, batch=32, step_seconds=1.0)
-    assert shared.factor(128) == pytest.approx(1.61 / 1.22)
-    # A later rollout of the same shape knows it before its first chunk (an RL loop's next training step):
-    # with nothing measured yet about acceptance, it no longer explores at 128 rows.
-    later = _policy(costs, overhead=shared)
-    assert later.choose(128) == 0
-    assert later.expected_gain(128)[2] == pytest.approx((1 + 0.3 + 0.09) / (1.22 * 1.61 / 1.22))
-    # At a batch never measured the last factor stands in; where drafting is cheap it still pays.
-    assert shared.factor(8) == shared.factor(128)
-    assert later.choose(8) > 0
-    # A chunk that drafted cheaper than predicted (rows rarely drafted, narrow widths) pulls the factor down.
-    later.observe(4, nothing + 50, 8 * 16, batch=8, step_seconds=0.9)
-    later.observe(0, nothing, 8 * 16, batch=8, step_seconds=1.0)
-    assert shared.factor(8) == pytest.approx(0.9 / 1.1)
-    assert shared.factor(128) == pytest.approx(1.61 / 1.22)  # each batch keeps its own
-    assert overhead_for(("a shape",)) is overhead_for(("a shape",)) is not overhead_for(("another",))
-
-
-def test_tail_policy_pairs_its_first_drafting_chunk_with_a_plain_one():
-    """Acceptance high enough to keep drafting would never run the plain chunk the drafting cost is learned
-    from (T = 0.7, 128 rows: seven drafting chunks in a row, 1.74x slower than plain). So, once per shape, the
-    chunk after the first drafting one runs plain at the same batch; then the policy decides on what it learned."""
-    costs = {128: {1: 1.0, 3: 1.22, 5: 1.55, 9: 2.25}, 32: {1: 1.0, 3: 1.05, 5: 1.1, 9: 1.3}}
-    shared = DraftingOverhead()
-    policy = _policy(costs, overhead=shared)
-    high = np.array([0.25 * 128 * 16, 0.15 * 128 * 16] + [0.0] * 6)  # 0.25 and 0.15 accepted per row-step
-    assert policy.choose(128) == 2
-    policy.observe(2, high, 128 * 16, batch=128, step_seconds=1.61)
-    assert not shared.measured
-    assert policy.expected_gain(128)[2] > 1  # acceptance alone would keep drafting
-    assert policy.choose(128) == 0  # the pairing chunk
-    assert policy.choose(32) > 0  # only at the batch that drafted
-    policy.observe(0, np.zeros(8), 128 * 16, batch=128, step_seconds=1.0)
-    assert shared.measured and shared.factor(128) == pytest.approx(1.61 / 1.22)
-    assert policy.choose(128) == 0  # (1 + 0.4) / 1.61 < 1: drafting does not pay at 128 rows
-    # Once measured, no more forced plain chunks: a drafting chunk at a cheap batch is followed by another.
-    assert policy.choose(32) > 0
-    policy.observe(2, high * 32 / 128, 32 * 16, batch=32, step_seconds=1.1)
-    assert policy.choose(32) > 0

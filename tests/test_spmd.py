@@ -84,7 +84,7 @@ TINY = COMMON + textwrap.dedent("""
     # group's samples share no text to draft from; at 0.03 they share some, and drafts are both kept and rejected
     # (38-45 drafted, 10-18 accepted over seeds 3-5).
     kw = dict(num_samples=4, max_new_tokens=16, sampling=SamplingParams(temperature=0.03), seed=3, ignore_eos=True,
-              spec=SpecConfig(method="group_sam"), speculation="always")
+              spec=SpecConfig(method="group_sam"), speculation="fixed")
     want = jaxspec.rollout(lm, prompts[:2], **kw)
     got = jaxspec.rollout(lm.on_mesh(make_mesh(2, 4)), prompts[:2], **kw)
     assert got.token_ids == want.token_ids and got.stats.drafted == want.stats.drafted
@@ -138,7 +138,7 @@ DEFAULT_MODEL = COMMON + textwrap.dedent("""
 ENGINE = COMMON + textwrap.dedent("""
     import threading
     from jaxspec.engine import Engine, EngineConfig, Request
-    from jaxspec.policy import FixedPolicy
+    from jaxspec.policy import DraftPolicy
 
     cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=16,
                       num_kv_heads=8, head_dim=4, tie_word_embeddings=False, max_position_embeddings=256)
@@ -152,7 +152,7 @@ ENGINE = COMMON + textwrap.dedent("""
             for p, s in zip(prompts, sampling)]
     engine = Engine(lm.on_mesh(make_mesh(2, 4)), EngineConfig(max_slots=8, cache_len=128, methods=("none", "sam"),
                                                              spec=SpecConfig(method="sam")),
-                    policy=FixedPolicy()).start(warmup=False)
+                    policy=DraftPolicy("fixed")).start(warmup=False)
     assert engine.config.slot_buckets == (2, 8), engine.config.slot_buckets
     got = [[] for _ in prompts]
     done = [threading.Event() for _ in prompts]

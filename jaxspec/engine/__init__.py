@@ -5,7 +5,7 @@ Requests arrive at any time and leave at any time; the device sees fixed shapes 
 
 1. retire rows that finished or were cancelled, and admit waiting requests into free rows: each admission is
    one prefill of the request alone, written into its row in place (its first token streams right away);
-2. ask the speculation policy for the draft caps of this load (`jaxspec.policy`);
+2. ask the draft policy for the draft caps of this load (`jaxspec.policy.DraftPolicy`);
 3. run the jitted speculative loop (`decode_chunk`) for up to `chunk_steps` steps: rows with different
    sampling settings, methods and draft budgets share every step;
 4. read back what each row committed and hand it to the request's callback.

@@ -24,7 +24,7 @@ from .. import sharding
 from ..limits import eos_ids
 from ..logprobs import TokenLogprob
 from ..models.loading import LanguageModel
-from ..policy import AdaptivePolicy, ChunkReport, OffPolicy, SpeculationPolicy
+from ..policy import ChunkReport, DraftPolicy
 from .config import EngineConfig
 from .request import (
     EngineStopped,
@@ -48,12 +48,12 @@ _MAX_CONSECUTIVE_FAILURES = 3  # chunks failing in a row before the engine gives
 class Engine:
     """Continuous batching over slots. `start()` launches the loop thread; `submit()` is thread-safe.
 
-    `config` defaults to `EngineConfig()`, `policy` to `AdaptivePolicy()`; `observers` are called on the loop
+    `config` defaults to `EngineConfig()`, `policy` to `DraftPolicy()`; `observers` are called on the loop
     thread with ("admit" | "chunk" | "finish", info).
     """
 
     def __init__(self, lm: LanguageModel, config: EngineConfig | None = None,
-                 policy: SpeculationPolicy | None = None,
+                 policy: DraftPolicy | None = None,
                  observers: Sequence[Callable[[str, dict], None]] = ()):
         config = EngineConfig() if config is None else config
         if lm.mesh is not None:  # rows split over the mesh's data axis: batch sizes it divides
@@ -65,7 +65,9 @@ class Engine:
         self.lm = lm  # the target model
         self.eos_ids = eos_ids(lm)  # the model's EOS ids: every request stops at them unless it ignores them
         self.config = config  # the static settings
-        self.policy = policy if policy is not None else AdaptivePolicy()  # draft caps by load
+        if policy is not None and not isinstance(policy, DraftPolicy):
+            raise ValueError(f"policy={policy!r} must be a jaxspec.policy.DraftPolicy")
+        self.policy = policy if policy is not None else DraftPolicy()  # draft caps by load
         self.observers = list(observers)  # called from the loop thread: ("chunk" | "admit" | "finish", info)
         k = config.loop_k
         # Running totals, read by the server's /metrics.
@@ -73,7 +75,7 @@ class Engine:
                                      accepted_per_position=np.zeros(k, np.int64))
         # The device side; the loop thread's alone once started. Under the off policy no row ever drafts, so the
         # runner compiles its chunks at verify width 1 alone (one target forward per program, not one per width).
-        self.runner = Runner(lm, config, self.metrics, speculates=not isinstance(self.policy, OffPolicy))
+        self.runner = Runner(lm, config, self.metrics, speculates=self.policy.drafts)
         self.ready = threading.Event()  # set once the loop serves (or failed to start)
         self.failed: BaseException | None = None  # what stopped the loop, if anything did
 
@@ -392,9 +394,8 @@ class Engine:
         self.metrics.requests_running = self.num_active
         max_cap = int(caps[active])
         self.policy.observe(ChunkReport(num_slots=n, active=active, max_cap=max_cap, tokens=chunk.tokens,
-                                        seconds=chunk.seconds))
-        speculating = getattr(self.policy, "speculating", None)
-        self.metrics.speculating = bool(max_cap > 0) if speculating is None else speculating(n)
+                                        seconds=chunk.seconds, steps=chunk.steps))
+        self.metrics.speculating = self.policy.speculating(n)
         for observer in self.observers:
             observer("chunk", {"seconds": chunk.seconds, "steps": chunk.steps, "active": active, "slots": n,
                                "tokens": chunk.tokens, "max_cap": max_cap})

@@ -432,7 +432,7 @@ class Runner:
         return value
 
     def _decode(self, rows: Sequence[LiveRequest | None], caps: np.ndarray) -> DecodeState:
-        """Up to chunk_steps decode steps over the batch; caps i32[max_slots + 1] (`SpeculationPolicy`)."""
+        """Up to chunk_steps decode steps over the batch; caps i32[max_slots + 1] (`DraftPolicy.draft_caps`)."""
         plain = self._plain_until_compiled and self.num_slots not in self._speculating
         self.state = decode_chunk(self.lm.graphdef, self.lm.params, self.state, self._batch_settings(rows),
                                   MixedParams(jnp.asarray(caps), self._member_params), **self._chunk_settings(plain))

@@ -6,7 +6,7 @@ target forward) and keeps, per row, the draft of the member the row chose. A row
 
 - its own request's budget (`MixedState.max_draft`, set when the row is admitted), and
 - the load cap `MixedParams.draft_cap_by_active[a]`, where a is the number of rows still generating: the
-  speculation policy's answer to "how many drafts per row pay off with a rows running?". It is a jit argument,
+  draft policy's answer to "how many drafts per row pay off with a rows running?". It is a jit argument,
   so the policy may change it between chunks without recompiling, and it is read at every step, so it
   follows rows finishing inside a chunk.
 

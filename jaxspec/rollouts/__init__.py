@@ -12,7 +12,5 @@ products round by shape (docs/how-to/rollouts.md).
 from .inputs import LOGPROB_MODES, sample_seeds
 from .result import ChunkRecord, RolloutResult, RolloutStats
 from .run import batch_buckets, rollout
-from .tail_policy import TailPolicy
 
-__all__ = ["ChunkRecord", "LOGPROB_MODES", "RolloutResult", "RolloutStats", "TailPolicy", "batch_buckets", "rollout",
-           "sample_seeds"]
+__all__ = ["ChunkRecord", "LOGPROB_MODES", "RolloutResult", "RolloutStats", "batch_buckets", "rollout", "sample_seeds"]

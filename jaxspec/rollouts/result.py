@@ -19,7 +19,7 @@ class ChunkRecord:
     active: int  # samples still generating when it started
     draft_cap: int  # the most drafts per row it allowed (0: plain decoding)
     run_s: float  # seconds it ran (its decode steps and the readback after them), compiling excluded
-    drafting_overhead: float  # the factor on c(w) the policy chose its cap by (`TailPolicy.overhead`)
+    drafting_overhead: float  # the factor on c(w) the policy chose its cap by (`GainModel.overhead`)
 
 
 @dataclasses.dataclass(frozen=True)

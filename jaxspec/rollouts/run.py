@@ -10,8 +10,9 @@ The loop:
      first batch, and 1: XLA:CPU runs 2-7 rows no faster than 8), the finished rows are read back and the
      running ones move to the front of the smaller batch (`jaxspec.engine.slots.regroup`, the engine's own
      machinery; a group's automaton, being batch-shared, stays whole);
-   - asks the tail policy for the next chunk's draft cap (`TailPolicy`: speculation switches on, and K grows,
-     where the smaller batch's measured verify cost is repaid by the measured acceptance).
+   - asks the draft policy for the next chunk's draft cap (`DraftPolicy.for_rollouts`: its gain model switches
+     speculation on, and K grows, where the smaller batch's measured verify cost is repaid by the measured
+     acceptance).
 3. Read back what is left and build the result.
 
 Every sample's tokens are keyed by its seed (from (seed, p, g)) and each token's position only, so neither
@@ -36,6 +37,7 @@ from ..engine import slots
 from ..generation import cut_at_stop_string, default_attention_impl
 from ..models.loading import LanguageModel
 from ..penalties import any_penalty
+from ..policy import MODES, ChunkReport, DraftPolicy, GainModel, overhead_for
 from ..processors import ProcessorRequest
 from ..proposers.group_sam import GroupSamProposer
 from ..shapes import bucket_shapes
@@ -44,7 +46,6 @@ from ..state import DecodeState, RowLimits, RowParams
 from .inputs import RolloutInputs, check_memory, validate
 from .result import ChunkRecord, RolloutResult, SampleRecord, timeline_stats
 from .stops import StopStrings
-from .tail_policy import MODES, TailPolicy, overhead_for
 
 MIN_COMPACT_BATCH = 8  # below 8 rows XLA:CPU runs a forward no faster than at 8 (docs/cpu-performance.md)
 
@@ -80,10 +81,10 @@ def rollout(lm: LanguageModel, prompts, *, num_samples: int, max_new_tokens: int
     under the target's raw softmax ("raw"). stop: strings that end a sample (a string or list for every prompt,
     or one per prompt, as `generate`'s stop=): a sample leaves the batch after the chunk in which its text
     reaches one, and is cut after the token completing it, its text before it (finish reason "stop").
-    compaction: move the running samples to smaller compiled batches
-    as others finish. speculation: "adaptive" (draft where the measured cost pays, `TailPolicy`), "always"
-    or "off". chunk_steps: decode steps between host visits. group_capacity (group_sam): the most tokens one
-    group's index holds (default: all of them), given, the index is a suffix automaton (`spec.sam_index`
+    compaction: move the running samples to smaller compiled batches as others finish. speculation:
+    "adaptive" (draft where the measured cost pays, `DraftPolicy.for_rollouts`), "fixed" (the full K in every
+    chunk) or "off". chunk_steps: decode steps between host visits. group_capacity (group_sam): the most
+    tokens one group's index holds (default: all of them), given, the index is a suffix automaton (`spec.sam_index`
     "auto" or "automaton"); a full automaton stops drafting, decoding goes on.
     shared_prefill: run each prompt through the target once for its G samples (False: once per sample, to
     measure what sharing saves). prompt_offset: these prompts are prompts prompt_offset.. of a larger rollout
@@ -162,8 +163,9 @@ class _Rollout:
         # per training step, and only the first pays for learning it.
         shape = (lm.name, repr(lm.config), self.proposer, self.widths, self.cache_len, self.buffer_len,
                  chunk_steps, attention_impl, None if lm.mesh is None else tuple(lm.mesh.shape.items()))
-        self.policy = TailPolicy(spec.num_speculative_tokens, self.widths, self._verify_cost, mode=speculation,
-                                 overhead=overhead_for(shape))
+        self.k = spec.num_speculative_tokens
+        self.policy = DraftPolicy.for_rollouts(speculation, GainModel(self.widths, self._verify_cost,
+                                                                      overhead=overhead_for(shape)))
         self.prompt_lens = np.asarray(lens, np.int32)
         self.max_new = np.full((inputs.num_rows,), inputs.max_new_tokens, np.int32)
         self.samples: dict[int, SampleRecord] = {}
@@ -228,7 +230,7 @@ class _Rollout:
             prompts, prompt_lens = (np.repeat(x, group_size, axis=0) for x in (prompts, prompt_lens))
             group_size = 1
         rows = np.arange(inputs.num_rows)  # the sample each batch row holds (p * G + g), -1 for padding
-        cap = self.policy.choose(len(rows))
+        cap = self.policy.cap(len(rows), self.k)
         settings = self._settings(rows, cap)
         logprob_rows = jnp.ones((inputs.num_rows,), bool) if inputs.logprobs else None
         processed = jnp.full((inputs.num_rows,), inputs.logprobs_mode == "sampling") if inputs.logprobs else None
@@ -259,8 +261,8 @@ class _Rollout:
                 rows = np.concatenate([rows[keep], np.full((target - len(keep),), -1)])
                 done = np.concatenate([np.zeros((len(keep),), bool), np.ones((target - len(keep),), bool)])
                 live = rows >= 0
-            cap = self.policy.choose(len(rows))
-            overhead = self.policy.overhead.factor(len(rows))  # what drafting was taken to cost beside c(w)
+            cap = self.policy.cap(len(rows), self.k)
+            overhead = self.policy.gain.overhead.factor(len(rows))  # what drafting was taken to cost beside c(w)
             settings = self._settings(rows, cap)
             if cap and self.behind:
                 state = self._catch_up(state, rows)
@@ -293,9 +295,12 @@ class _Rollout:
                                            active=running, draft_cap=cap, run_s=run_s,
                                            drafting_overhead=overhead))
             held = rows[live]
-            self.policy.observe(cap, (accepted_at[live] - seen_accepted[held]).sum(axis=0),
-                                int((row_steps[live] - seen_steps[held]).sum()), batch=len(rows),
-                                step_seconds=run_s / max(int(step) - steps_before, 1))
+            accepted = (accepted_at[live] - seen_accepted[held]).sum(axis=0)
+            chunk_row_steps = int((row_steps[live] - seen_steps[held]).sum())
+            self.policy.observe(ChunkReport(num_slots=len(rows), active=running, max_cap=cap,
+                                            tokens=int(accepted.sum()) + chunk_row_steps, seconds=run_s,
+                                            steps=max(int(step) - steps_before, 1), accepted_at=accepted,
+                                            row_steps=chunk_row_steps))
             seen_steps[held], seen_accepted[held] = row_steps[live], accepted_at[live]
         self._collect(state, rows, rows >= 0)
         wall_s = time.perf_counter() - t0

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     jaxspec.enable_compilation_cache()
     from jaxspec.constraints import ConstraintLimits
     from jaxspec.engine import SHARED_BATCH_METHODS, Engine, EngineConfig
-    from jaxspec.policy import make_policy
+    from jaxspec.policy import DraftPolicy
     from jaxspec.serving import create_app
 
     try:
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                               constraint_limits=ConstraintLimits(time_s=args.constraint_time_s,
                                                                  memory_bytes=args.constraint_memory_mib << 20),
                               background_compile=args.background_compile)
-        policy = make_policy(args.policy, max_active=args.spec_max_active)
+        policy = DraftPolicy.named(args.policy, max_active=args.spec_max_active)
         lm = jaxspec.load_model(args.model, dtype=args.dtype)
         if args.mesh is not None:
             from jaxspec.sharding import ShardingRules, make_mesh, parse_mesh

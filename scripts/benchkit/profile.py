@@ -7,7 +7,7 @@ launches on a GPU, the host calls between chunks. The trace itself (`perfetto_tr
 opens in https://ui.perfetto.dev for the timeline.
 
     python scripts/bench_kernel.py profile                               # rollout-none, 8 x 8, 32 tokens
-    python scripts/bench_kernel.py profile --method group_sam --speculation always
+    python scripts/bench_kernel.py profile --method group_sam --speculation fixed
     python scripts/bench_kernel.py profile --api generate --method sam --prompts 1 --samples 1 --temperature 0
 
 Meant for an accelerator, where a step costs a few milliseconds and the question is which of its kernels,
@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8, help="G samples (rows) per prompt")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--speculation", choices=("adaptive", "always", "off"), default="always",
+    p.add_argument("--speculation", choices=("adaptive", "fixed", "off"), default="fixed",
                    help="the rollout's speculation policy (rollout only)")
     p.add_argument("--python", action="store_true", help="also trace every Python call (slows the host)")
     p.add_argument("--top", type=int, default=15, help="events listed per thread")

@@ -35,7 +35,7 @@ from benchkit import machine, page, tables, workloads
 from benchkit.cli import ints
 from benchkit.timing import clocked, rounds
 from jaxspec.engine import Engine, EngineConfig, Request
-from jaxspec.policy import make_policy
+from jaxspec.policy import DraftPolicy
 from jaxspec.shapes import prompt_bucket
 
 
@@ -43,7 +43,7 @@ class Level:
     """Bursts of requests on one engine: submitted at once, timed until the last finishes."""
 
     def __init__(self, config: EngineConfig, policy: str, lm):
-        self.engine = Engine(lm, config, policy=make_policy(policy), observers=[self._observe])
+        self.engine = Engine(lm, config, policy=DraftPolicy.named(policy), observers=[self._observe])
         self.chunks: list[dict] = []
         self.left = 0  # requests of the running burst not yet finished
         self.last_chunk = threading.Event()  # the burst's last chunk (or admission) has been recorded
@@ -87,7 +87,7 @@ class Burst:
     """One engine, given bursts of requests that all arrive before its loop thread looks at the queue."""
 
     def __init__(self, config: EngineConfig, policy: str, lm):
-        self.engine = Engine(lm, config, policy=make_policy(policy), observers=[self._observe])
+        self.engine = Engine(lm, config, policy=DraftPolicy.named(policy), observers=[self._observe])
         self.batches: list[int] = []  # each admission's prefill batch (one entry per request)
 
     def _observe(self, event: str, info: dict) -> None:
