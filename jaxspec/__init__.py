@@ -14,6 +14,7 @@ from .decode import PrefillSpec, StepSpec, decode, decode_chunk, prefill, spec_s
 from .generation import GenerateResult, GenerateStats, Prepared, RowStats, generate, prepare
 from .logprobs import TokenLogprob
 from .models.loading import DEFAULT_MODEL, NAMED_MODELS, LanguageModel, load_model
+from .policy import DraftPolicy
 from .processors import ProcessorRequest
 from .proposers import StaticSuffixAutomaton
 from .rejection import rejection_sample
@@ -30,6 +31,7 @@ __all__ = [
     "Choice",
     "DEFAULT_MODEL",
     "DecodeState",
+    "DraftPolicy",
     "DraftTree",
     "GenerateResult",
     "GenerateStats",

@@ -27,6 +27,7 @@ from .logprobs import TokenLogprob, to_host
 from .methods import forced_token_budget
 from .models.loading import LanguageModel
 from .penalties import any_penalty
+from .policy import ChunkReport, DraftPolicy
 from .processors import ProcessorRequest
 from .proposers.base import Draft, Proposer, drafts_chains
 from .sampling_params import SamplingParams
@@ -326,11 +327,13 @@ class _Request:
     predictions: predicted_outputs.Predictions | None = None
     constraint: constraint_rows.ConstraintRows | None = None
     stop: tuple[tuple[str, ...], ...] | None = None  # per row, the stop strings (None: none anywhere)
+    policy: DraftPolicy | None = None  # generate's policy=, told what the call achieved
+    draft_cap: int | None = None  # the policy's cap for every row (None: the full K)
 
 
 def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, sampling, stop_token_ids, ignore_eos,
              max_cache_len, attention_impl, spec, logprobs, rng, prediction=None, constraint=None,
-             stop=None) -> _Request:
+             stop=None, policy=None) -> _Request:
     """Every argument checked (ValueError naming the first bad one) and normalised."""
     spec = SpecConfig() if spec is None else spec
     if not isinstance(spec, SpecConfig):
@@ -354,11 +357,26 @@ def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, samp
     _check_memory(lm, ids, max_new_tokens, logprobs is not None)
     stop_table = _stop_ids(lm, len(ids), stop_token_ids, ignore_eos)
     rows = _seeded(_row_sampling(sampling, len(ids)), rng)
+    predictions = predicted_outputs.normalise(lm, prediction, len(ids), lm.config.vocab_size)
+    constraint = constraint_rows.rows_for(lm, constraint, len(ids))
+    spec, draft_cap = _policy_cap(policy, spec, len(ids), plain_without=predictions is None and constraint is None)
     return _Request(ids=ids, sampling=rows, stop_table=stop_table, spec=spec, max_new_tokens=max_new_tokens,
-                    logprobs=logprobs, attention_impl=attention_impl,
-                    predictions=predicted_outputs.normalise(lm, prediction, len(ids), lm.config.vocab_size),
-                    constraint=constraint_rows.rows_for(lm, constraint, len(ids)),
-                    stop=check_stop_strings(lm, stop, len(ids)))
+                    logprobs=logprobs, attention_impl=attention_impl, predictions=predictions, constraint=constraint,
+                    stop=check_stop_strings(lm, stop, len(ids)), policy=policy, draft_cap=draft_cap)
+
+
+def _policy_cap(policy, spec: SpecConfig, batch: int, *, plain_without: bool) -> tuple[SpecConfig, int | None]:
+    """(the spec the call runs, the draft cap of every row) under `policy` (None: the full K, no cap). A cap
+    of 0 with nothing else to draft (no prediction, no constraint) runs the plain program: no proposer in the
+    loop. A cap below K is a row limit; the full K sets none, so the call compiles what it would without."""
+    if policy is None:
+        return spec, None
+    if not isinstance(policy, DraftPolicy):
+        raise ValueError(f"policy={short_repr(policy)} must be None or a jaxspec.policy.DraftPolicy")
+    cap = policy.cap(batch, spec.num_speculative_tokens)
+    if cap == 0 and plain_without:
+        return SpecConfig(), None
+    return spec, None if cap >= spec.num_speculative_tokens else cap
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -488,7 +506,8 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     for i, p in enumerate(req.ids):
         padded[i, : len(p)] = p
     limits = RowLimits(max_new_tokens=jnp.full((batch,), req.max_new_tokens, jnp.int32),
-                       stop_ids=jnp.asarray(req.stop_table))
+                       stop_ids=jnp.asarray(req.stop_table),
+                       draft_cap=None if req.draft_cap is None else jnp.full((batch,), req.draft_cap, jnp.int32))
     proposer, proposer_params = build_proposer(lm, req.spec, prompt_width=width, buffer_len=buffer_len,
                                                cache_len=cache_len)
     widths = req.spec.verify_widths
@@ -604,6 +623,7 @@ def generate(
     prediction=None,
     constraint=None,
     stop=None,
+    policy: DraftPolicy | None = None,
 ) -> GenerateResult:
     """Generate for a batch of prompts (strings, token-id lists or 1-D integer arrays, of different lengths;
     or one integer array i32[B, P] whose row i holds `prompt_lengths[i]` tokens, all P by default).
@@ -635,6 +655,10 @@ def generate(
     first occurrence of any of them, also when one spans tokens or an accepted block: its tokens end with the one
     completing the stop string, its text ends before it, and its finish reason is "stop". (The loop finds them
     on the host after decoding; a row may decode past its stop string within the token budget.)
+    `policy` (a `jaxspec.policy.DraftPolicy`, the one the serving engine and rollouts use) caps every row's
+    drafts for the call's batch size and is told what the call achieved, so a policy kept across calls learns
+    (its load rule, and its guard that turns speculation off where it measured slower than plain). None: every
+    step may draft the proposer's full K.
 
     Returns a GenerateResult: per row the new tokens as lists (`token_ids`) and as one array
     (`token_array` i32[B, max_new_tokens], -1 padded, with `num_tokens` i32[B]), text, finish reasons, stats.
@@ -643,7 +667,7 @@ def generate(
     req = _request(lm, prompts, prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens, sampling=sampling,
                    stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, max_cache_len=max_cache_len,
                    attention_impl=attention_impl, spec=spec, logprobs=logprobs, rng=rng, prediction=prediction,
-                   constraint=constraint, stop=stop)
+                   constraint=constraint, stop=stop, policy=policy)
     if req.max_new_tokens == 0:
         return _empty_result(req)
     # A background cost measurement waits from the moment `_prepare` asks for a table until the call returns.
@@ -660,14 +684,27 @@ def _generate(lm: LanguageModel, req: _Request, p: Prepared) -> GenerateResult:
         if p.predictions is not None:
             state = predicted_outputs.install(state, p.predictions)
         jax.block_until_ready(state.history)
-        t1 = time.perf_counter()
+        t1, compiled = time.perf_counter(), cost.compile_seconds()
         state = decode(lm.graphdef, lm.params, state, p.rows, p.proposer_params, step=p.step,
                        verify_cost=p.verify_cost)
         history, history_len, steps, counters, buffer, pstate = jax.device_get(
             (state.history, state.history_len, state.steps, state.counters, state.logprobs, state.pstate))
     t2 = time.perf_counter()
+    if req.policy is not None:
+        _report(req, p, steps, counters, seconds=t2 - t1 - (cost.compile_seconds() - compiled))
     return _result(lm, req, history, history_len, steps, counters, buffer, prefill_s=t1 - t0, decode_s=t2 - t1,
                    prediction_counts=predicted_outputs.counts(pstate) if req.predictions is not None else None)
+
+
+def _report(req: _Request, p: Prepared, steps, counters, *, seconds: float) -> None:
+    """Tell the call's policy what its decode loop achieved, as one chunk over the whole batch."""
+    row_steps = int(counters.steps.sum())
+    k = req.spec.num_speculative_tokens
+    cap = 0 if p.proposer.num_speculative_tokens == 0 else k if req.draft_cap is None else req.draft_cap
+    req.policy.observe(ChunkReport(num_slots=p.batch_size, active=p.batch_size, max_cap=cap,
+                                   tokens=row_steps + int(counters.accepted.sum()), seconds=seconds, steps=int(steps),
+                                   accepted_at=np.asarray(counters.accepted_at, np.float64).sum(axis=0)[:k],
+                                   row_steps=row_steps))
 
 
 def check_stop_strings(lm: LanguageModel, stop, batch: int) -> tuple[tuple[str, ...], ...] | None:

@@ -110,3 +110,32 @@ def test_a_draft_model_with_another_tokenizer_is_refused(smollm2):
     spec = SpecConfig(method="draft_model", num_speculative_tokens=2, draft_model=draft)
     with pytest.raises(ValueError, match=re.escape(f"token 1000 is {b!r} there and {a!r} in the target")):
         jaxspec.generate(smollm2, ["def f():"], max_new_tokens=4, spec=spec)
+
+
+def test_generate_follows_the_draft_policy(smollm2, prompt_ids, plain):
+    """`generate(policy=...)` takes the same `DraftPolicy` the engine and rollouts use: its cap for the call's
+    batch bounds every row's drafts, and a policy kept across calls learns from each (the guard's warm-up
+    alternates drafting and plain calls). Output is plain greedy's whatever the cap."""
+    from jaxspec.policy import DraftPolicy, LoadLimit
+
+    spec = SpecConfig(method="sam", num_speculative_tokens=8, min_match=2)
+    four = prompt_ids[:4]
+    off = jaxspec.generate(smollm2, four, max_new_tokens=NEW_TOKENS, spec=spec, policy=DraftPolicy("off"))
+    assert off.token_ids == plain[:4] and off.stats.drafted == 0
+    # Four rows, the full K at one request in flight, halved per doubling: a cap of 8 / 4 = 2 drafts.
+    capped = jaxspec.generate(smollm2, four, max_new_tokens=NEW_TOKENS, spec=spec,
+                              policy=DraftPolicy(load=LoadLimit(max_active=8), guard=None))
+    assert capped.token_ids == plain[:4]
+    assert capped.stats.drafted > 0 and capped.stats.accepted > 0
+    assert max(max(r.committed_per_step) for r in capped.stats.rows) <= 3
+    assert max(max(r.committed_per_step) for r in jaxspec.generate(
+        smollm2, four, max_new_tokens=NEW_TOKENS, spec=spec).stats.rows) > 3  # the cap is what held it
+    # The serving default at one row: the guard measures a drafting call, then a plain one.
+    policy = DraftPolicy()
+    first = jaxspec.generate(smollm2, [prompt_ids[0]], max_new_tokens=NEW_TOKENS, spec=spec, policy=policy)
+    assert first.stats.drafted > 0 and policy.guard.measured(1) == (1, 0)
+    second = jaxspec.generate(smollm2, [prompt_ids[0]], max_new_tokens=NEW_TOKENS, spec=spec, policy=policy)
+    assert second.stats.drafted == 0 and policy.guard.measured(1) == (1, 1)
+    assert first.token_ids[0] == second.token_ids[0] == plain[0]
+    with pytest.raises(ValueError, match="policy='adaptive'"):
+        jaxspec.generate(smollm2, four, max_new_tokens=4, spec=spec, policy="adaptive")
