@@ -201,7 +201,7 @@ def _forward(graphdef, params, cache, tokens: jax.Array, *, attention_impl: str)
 
 
 @functools.cache
-def _forward_code(model_type: type) -> str:
+def forward_code(model_type: type) -> str:
     """A digest of the source of the forward: jaxspec's (the model's layers and attention, the CPU matmul paths)
     and the file defining the target's own class (`model_type`, a custom target's module). A table measured under
     other code (another attention grouping, another kernel, an edited custom model) is measured again."""
@@ -219,7 +219,7 @@ def _forward_code(model_type: type) -> str:
 def _key(lm, batch: int, cache_len: int, widths: tuple[int, ...], cached: int, attention_impl: str) -> str:
     device = jax.devices()[0]
     parts = [lm.name, repr(lm.config), jax.__version__, device.platform, getattr(device, "device_kind", ""),
-             os.cpu_count(), batch, cache_len, widths, cached, attention_impl, _forward_code(type(lm.module))]
+             os.cpu_count(), batch, cache_len, widths, cached, attention_impl, forward_code(type(lm.module))]
     if lm.mesh is not None:  # a partitioned forward costs what its mesh and rules make it cost
         parts += [dict(lm.mesh.shape), lm.rules]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]

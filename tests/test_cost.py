@@ -164,7 +164,7 @@ def test_a_table_from_other_forward_code_is_measured_again(tiny_lm, cache_dir, m
     monkeypatch.setattr(cost, "_measure", lambda *a: pytest.fail("measured again under the same code"))
     assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (2.0, 2.0)
     cost.forget_measured()  # a new process, other code: measured again
-    monkeypatch.setattr(cost, "_forward_code", lambda model_type: "other code")
+    monkeypatch.setattr(cost, "forward_code", lambda model_type: "other code")
     monkeypatch.setattr(cost, "_measure", measuring(5.0))
     assert cost.measure_verify_cost(tiny_lm, batch=2, cache_len=64, widths=(1, 3), cached=8) == (5.0, 5.0)
     assert len(json.loads((cache_dir / "verify_cost.json").read_text())) == 2
@@ -185,13 +185,13 @@ def test_a_custom_targets_own_source_joins_the_forward_digest(tmp_path, monkeypa
         module = importlib.util.module_from_spec(spec)
         monkeypatch.setitem(sys.modules, "my_target", module)  # as an imported module is: where its file is found
         spec.loader.exec_module(module)
-        return cost._forward_code(module.MyTarget)
+        return cost.forward_code(module.MyTarget)
 
     first = digest("class MyTarget:\n    width = 1\n")
     assert first == digest("class MyTarget:\n    width = 1\n")  # same code, same digest
     assert first != digest("class MyTarget:\n    width = 2\n")
-    assert cost._forward_code(Llama) != first
-    assert cost._forward_code(type(None)) == cost._forward_code(int)  # no source file: jaxspec's code alone
+    assert cost.forward_code(Llama) != first
+    assert cost.forward_code(type(None)) == cost.forward_code(int)  # no source file: jaxspec's code alone
 
 
 def test_prohibitive_costs_mean_plain_steps_and_the_same_output(tiny_lm, prompts, cache_dir, monkeypatch):

@@ -206,10 +206,10 @@ def test_smollm2_same_greedy_tokens(kernel, smollm2):
 def no_library(monkeypatch, tmp_path):
     """The kernel as on a machine where it was never built; the real library is back afterwards."""
     monkeypatch.setattr(cpu_kernels, "LIBRARY", tmp_path / "missing.so")
-    cpu_kernels._load.cache_clear()
+    cpu_kernels.reload()
     yield
     monkeypatch.undo()
-    cpu_kernels._load.cache_clear()
+    cpu_kernels.reload()
 
 
 def test_without_the_library_auto_is_xla(no_library):
@@ -229,14 +229,14 @@ def test_without_the_library_auto_is_xla(no_library):
 
 def test_a_library_from_other_sources_is_refused(kernel, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "source_hash", lambda: "0" * 16)
-    cpu_kernels._load.cache_clear()
+    cpu_kernels.reload()
     try:
         with pytest.warns(UserWarning, match="kernel is not used: .* built from other sources or for another jaxlib"):
             assert not cpu_kernels.available()
         assert "built from other sources" in cpu_kernels.unavailable_reason()
     finally:
         monkeypatch.undo()
-        cpu_kernels._load.cache_clear()
+        cpu_kernels.reload()
     assert cpu_kernels.available()
 
 

@@ -261,11 +261,11 @@ def test_batch_settings_are_reused_until_a_slot_changes(runner):
         request = types.SimpleNamespace(sampling=SamplingParams(temperature=temperature, seed=seed), max_tokens=5)
         return types.SimpleNamespace(request=request, stop_ids=[1])
 
-    first = runner._batch_settings([live(0.7, 1), None, live(0.0, 2)])
-    assert runner._batch_settings([live(0.7, 1), None, live(0.0, 2)]) is first
-    rows = runner._batch_settings([live(0.7, 3), None, live(0.0, 2)])
+    first = runner.batch_settings([live(0.7, 1), None, live(0.0, 2)])
+    assert runner.batch_settings([live(0.7, 1), None, live(0.0, 2)]) is first
+    rows = runner.batch_settings([live(0.7, 3), None, live(0.0, 2)])
     sampling, limits = rows.sampling, rows.limits
     assert sampling.seed.tolist() == [3, 0, 2] and limits.max_new_tokens.tolist() == [5, 1, 5]
-    rows = runner._batch_settings([live(0.7, 3), None, None])
+    rows = runner.batch_settings([live(0.7, 3), None, None])
     sampling, limits = rows.sampling, rows.limits
     assert sampling.seed.tolist() == [3, 0, 0] and limits.max_new_tokens.tolist() == [5, 1, 1]

@@ -187,7 +187,7 @@ class Runner:
         self._stack_initial: dict[int, int] = {}
         self._stacked: list = []
         self._steps_read = 0  # the loop's step counter at the last read (a regroup keeps the old batch's)
-        self._settings = (None, None)  # (key, RowParams) of the last chunk's rows (`_batch_settings`)
+        self._settings = (None, None)  # (key, RowParams) of the last chunk's rows (`batch_settings`)
         # Slot buckets whose speculative chunk the compiling thread has compiled (`warmup`). Until a bucket is here,
         # `_decode` runs its chunk at verify width 1 (`_plain_until_compiled`): every row decodes plainly, and the
         # proposers keep their state, so the first chunk that speculates drafts from the whole text.
@@ -415,7 +415,7 @@ class Runner:
 
     # ------------------------------------------------------------------ decoding
 
-    def _batch_settings(self, rows: Sequence[LiveRequest | None]) -> RowParams:
+    def batch_settings(self, rows: Sequence[LiveRequest | None]) -> RowParams:
         """The batch arrays of the rows' settings, reused while every slot holds the same values: stacking them
         checks each row's values and uploads each field, a host cost per chunk that grows with the slots and that
         a GPU's chunk of a few milliseconds a step cannot hide."""
@@ -434,7 +434,7 @@ class Runner:
     def _decode(self, rows: Sequence[LiveRequest | None], caps: np.ndarray) -> DecodeState:
         """Up to chunk_steps decode steps over the batch; caps i32[max_slots + 1] (`DraftPolicy.draft_caps`)."""
         plain = self._plain_until_compiled and self.num_slots not in self._speculating
-        self.state = decode_chunk(self.lm.graphdef, self.lm.params, self.state, self._batch_settings(rows),
+        self.state = decode_chunk(self.lm.graphdef, self.lm.params, self.state, self.batch_settings(rows),
                                   MixedParams(jnp.asarray(caps), self._member_params), **self._chunk_settings(plain))
         return self.state
 

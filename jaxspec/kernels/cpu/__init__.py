@@ -92,6 +92,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
+def reload() -> None:
+    """Look for the library again at the next use: after building it in a running process, or after
+    `LIBRARY` changed. What was loaded stays registered with XLA."""
+    _load.cache_clear()
+
+
 def available() -> bool:
     """Whether the kernel library is built, loads and matches these sources (loads it on first call)."""
     return _load()[0] is not None
