@@ -327,8 +327,7 @@ class _Request:
     predictions: predicted_outputs.Predictions | None = None
     constraint: constraint_rows.ConstraintRows | None = None
     stop: tuple[tuple[str, ...], ...] | None = None  # per row, the stop strings (None: none anywhere)
-    policy: DraftPolicy | None = None  # generate's policy=, told what the call achieved
-    draft_cap: int | None = None  # the policy's cap for every row (None: the full K)
+    policy: DraftPolicy | None = None  # generate's policy=: caps the rows' drafts, told what the call achieved
 
 
 def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, sampling, stop_token_ids, ignore_eos,
@@ -359,24 +358,23 @@ def _request(lm: LanguageModel, prompts, *, prompt_lengths, max_new_tokens, samp
     rows = _seeded(_row_sampling(sampling, len(ids)), rng)
     predictions = predicted_outputs.normalise(lm, prediction, len(ids), lm.config.vocab_size)
     constraint = constraint_rows.rows_for(lm, constraint, len(ids))
-    spec, draft_cap = _policy_cap(policy, spec, len(ids), plain_without=predictions is None and constraint is None)
+    if policy is not None and not isinstance(policy, DraftPolicy):
+        raise ValueError(f"policy={short_repr(policy)} must be None or a jaxspec.policy.DraftPolicy")
+    if (policy is not None and predictions is None and constraint is None
+            and policy.cap(len(ids), spec.num_speculative_tokens) == 0):
+        spec = SpecConfig()  # nothing may draft: the plain program, no proposer built or run in the loop
     return _Request(ids=ids, sampling=rows, stop_table=stop_table, spec=spec, max_new_tokens=max_new_tokens,
                     logprobs=logprobs, attention_impl=attention_impl, predictions=predictions, constraint=constraint,
-                    stop=check_stop_strings(lm, stop, len(ids)), policy=policy, draft_cap=draft_cap)
+                    stop=check_stop_strings(lm, stop, len(ids)), policy=policy)
 
 
-def _policy_cap(policy, spec: SpecConfig, batch: int, *, plain_without: bool) -> tuple[SpecConfig, int | None]:
-    """(the spec the call runs, the draft cap of every row) under `policy` (None: the full K, no cap). A cap
-    of 0 with nothing else to draft (no prediction, no constraint) runs the plain program: no proposer in the
-    loop. A cap below K is a row limit; the full K sets none, so the call compiles what it would without."""
+def _draft_cap(policy: DraftPolicy | None, batch: int, k: int) -> int | None:
+    """The policy's cap on every row's drafts for a proposer of K drafts, or None when it allows all K (no row
+    limit: the call compiles what it would without a policy)."""
     if policy is None:
-        return spec, None
-    if not isinstance(policy, DraftPolicy):
-        raise ValueError(f"policy={short_repr(policy)} must be None or a jaxspec.policy.DraftPolicy")
-    cap = policy.cap(batch, spec.num_speculative_tokens)
-    if cap == 0 and plain_without:
-        return SpecConfig(), None
-    return spec, None if cap >= spec.num_speculative_tokens else cap
+        return None
+    cap = policy.cap(batch, k)
+    return None if cap >= k else cap
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -505,9 +503,6 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
     padded = np.zeros((batch, width), np.int32)  # i32[B, P]
     for i, p in enumerate(req.ids):
         padded[i, : len(p)] = p
-    limits = RowLimits(max_new_tokens=jnp.full((batch,), req.max_new_tokens, jnp.int32),
-                       stop_ids=jnp.asarray(req.stop_table),
-                       draft_cap=None if req.draft_cap is None else jnp.full((batch,), req.draft_cap, jnp.int32))
     proposer, proposer_params = build_proposer(lm, req.spec, prompt_width=width, buffer_len=buffer_len,
                                                cache_len=cache_len)
     widths = req.spec.verify_widths
@@ -520,6 +515,11 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
         widths = widths_for_long_drafts(widths, proposer.num_speculative_tokens)
     if isinstance(proposer, constraint_rows.ForcedTokenProposer):
         widths = widths_for_forced_text(widths, proposer.num_speculative_tokens)
+    # The policy caps the drafts of the proposer the loop runs, a prediction's or forced tokens' included.
+    draft_cap = _draft_cap(req.policy, batch, proposer.num_speculative_tokens)
+    limits = RowLimits(max_new_tokens=jnp.full((batch,), req.max_new_tokens, jnp.int32),
+                       stop_ids=jnp.asarray(req.stop_table),
+                       draft_cap=None if draft_cap is None else jnp.full((batch,), draft_cap, jnp.int32))
     verify_cost = None
     # Chains, and trees drafted best node first; the loop would ignore another tree's table.
     ranked = proposer.ranks_nodes
@@ -699,8 +699,8 @@ def _generate(lm: LanguageModel, req: _Request, p: Prepared) -> GenerateResult:
 def _report(req: _Request, p: Prepared, steps, counters, *, seconds: float) -> None:
     """Tell the call's policy what its decode loop achieved, as one chunk over the whole batch."""
     row_steps = int(counters.steps.sum())
-    k = req.spec.num_speculative_tokens
-    cap = 0 if p.proposer.num_speculative_tokens == 0 else k if req.draft_cap is None else req.draft_cap
+    k = p.proposer.num_speculative_tokens
+    cap = k if p.limits.draft_cap is None else int(jax.device_get(p.limits.draft_cap)[0])
     req.policy.observe(ChunkReport(num_slots=p.batch_size, active=p.batch_size, max_cap=cap,
                                    tokens=row_steps + int(counters.accepted.sum()), seconds=seconds, steps=int(steps),
                                    accepted_at=np.asarray(counters.accepted_at, np.float64).sum(axis=0)[:k],

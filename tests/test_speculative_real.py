@@ -137,5 +137,11 @@ def test_generate_follows_the_draft_policy(smollm2, prompt_ids, plain):
     second = jaxspec.generate(smollm2, [prompt_ids[0]], max_new_tokens=NEW_TOKENS, spec=spec, policy=policy)
     assert second.stats.drafted == 0 and policy.guard.measured(1) == (1, 1)
     assert first.token_ids[0] == second.token_ids[0] == plain[0]
+    # A prediction's drafts are drafts too: "off" caps them at 0 although spec's own method drafts nothing.
+    predicted = dict(max_new_tokens=NEW_TOKENS, prediction=plain[0])
+    free = jaxspec.generate(smollm2, [prompt_ids[0]], **predicted)
+    held = jaxspec.generate(smollm2, [prompt_ids[0]], **predicted, policy=DraftPolicy("off"))
+    assert free.stats.drafted > 0 and free.stats.accepted > 0 and held.stats.drafted == 0
+    assert free.token_ids[0] == held.token_ids[0] == plain[0]
     with pytest.raises(ValueError, match="policy='adaptive'"):
         jaxspec.generate(smollm2, four, max_new_tokens=4, spec=spec, policy="adaptive")
