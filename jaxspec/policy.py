@@ -151,8 +151,8 @@ class GainModel:
     decay: float = 0.7  # weight of the older measurements at each new chunk
     min_row_steps: float = 8.0  # row-steps below which a position's rate counts as unmeasured
     overhead: DraftingOverhead = dataclasses.field(default_factory=DraftingOverhead)
-    _accepted: np.ndarray = dataclasses.field(default=None, repr=False)  # f64[K] decayed accepted drafts at j
-    _row_steps: np.ndarray = dataclasses.field(default=None, repr=False)  # f64[K] decayed row-steps allowing j
+    _accepted: np.ndarray | None = dataclasses.field(default=None, repr=False)  # f64[K] decayed accepted at j
+    _row_steps: np.ndarray | None = dataclasses.field(default=None, repr=False)  # f64[K] decayed row-steps at j
     _timed: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict, repr=False)  # batch -> (cap, s)
 
     def _sized(self, k: int) -> None:
@@ -375,19 +375,17 @@ class DraftPolicy:
 
     def ceiling(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
         """i32[num_slots + 1]: the caps the mode and the load and gain rules allow, before the guard."""
-        active = np.arange(num_slots + 1)
         if self.mode == "off" or k == 0:
             return np.zeros((num_slots + 1,), np.int32)
         caps = np.full((num_slots + 1,), k, np.int32)
-        if self.mode == "adaptive":
-            if self.load is not None:
-                caps = np.minimum(caps, self.load.caps(num_slots, k, waiting))
-            if self.gain is not None:
-                caps = np.minimum(caps, self.gain.cap(num_slots, k))
         if self.mode == "fixed":
             return caps
-        # Index 0 (no row active) drafts nothing, so max_active=0 gives an all-zero table.
-        return np.where(active >= 1, caps, 0).astype(np.int32)
+        if self.load is not None:
+            caps = np.minimum(caps, self.load.caps(num_slots, k, waiting))
+        if self.gain is not None:
+            caps = np.minimum(caps, self.gain.cap(num_slots, k))
+        caps[0] = 0  # no row active drafts nothing, so max_active=0 gives an all-zero table
+        return caps
 
     def draft_caps(self, num_slots: int, k: int, waiting: int = 0) -> np.ndarray:
         """i32[num_slots + 1]: the most drafts per row while a rows are active (index a) and `waiting` requests
@@ -408,8 +406,8 @@ class DraftPolicy:
             return
         if self.gain is not None:
             self.gain.observe(report)
-        # A load rule that never lets a row draft has nothing to teach the guard.
-        if self.guard is not None and (self.load is None or self.load.caps(report.num_slots, 1)[1:].any()):
+        # A load rule that never lets a row draft (max_active=0) has nothing to teach the guard.
+        if self.guard is not None and (self.load is None or self.load.max_active >= 1):
             self.guard.observe(report)
 
     def speculating(self, num_slots: int) -> bool:
