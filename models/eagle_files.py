@@ -1,4 +1,5 @@
-"""EAGLE and EAGLE-3 drafters in the layout their authors publish, SpecForge writes and vLLM and SGLang load.
+"""EAGLE, EAGLE-3 and DFlash drafters in the layout their authors publish, SpecForge writes and vLLM and SGLang
+load.
 
 A drafter is a directory: `config.json`, a Llama config of its one decoder layer, and `model.safetensors`.
 
@@ -32,6 +33,20 @@ scored by the target's own LM head:
     layers.0.mlp.{gate,up,down}_proj.weight     as a Llama layer's
     embed_tokens.weight, layers.0.input_layernorm.weight    optional and unused: the target's embedding, and a
                                                             norm the drafter's first layer skips
+
+DFlash (`architectures` ["DFlashDraftModel"], the DFlash authors'; `dflash_config` holds `mask_token_id`,
+`target_layer_ids`, counted as jaxspec's feature layers are, and `block_size`): fc over the target layers'
+outputs, then N Qwen3 decoder layers scored by the target's own LM head (`jaxspec.models.dflash`):
+
+    fc.weight                                   [D, L D]     the target's L layers, concatenated, to D
+    hidden_norm.weight                          [D]          the context's norm
+    layers.i.input_layernorm.weight             [D]
+    layers.i.self_attn.{q,k,v}_proj.weight      [heads hd, D]
+    layers.i.self_attn.{q,k}_norm.weight        [hd]
+    layers.i.self_attn.o_proj.weight            [D, H hd]
+    layers.i.post_attention_layernorm.weight    [D]
+    layers.i.mlp.{gate,up}_proj.weight          [F, D]; down_proj [D, F]
+    norm.weight                                 [D]
 """
 
 from __future__ import annotations
@@ -44,11 +59,13 @@ import numpy as np
 from flax import nnx
 
 from .config import ModelConfig, RopeConfig
-from .files import FileError, SafetensorsFile, describe, field, json_object, read_json
+from .dflash import DFLASH_BLOCK, DFlashDrafter
+from .files import REQUIRED, FileError, SafetensorsFile, describe, field, json_object, read_json
 from .heads import Readout, ReferenceEagle3Head, ReferenceEagleHead, check_shapes, fill_params, flat_params
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # the names vLLM registers
 EAGLE_ARCHITECTURES = ("LlamaForCausalLM", "EagleLlamaForCausalLM")  # the EAGLE authors' name, vLLM's
+DFLASH_ARCHITECTURES = ("DFlashDraftModel",)  # the DFlash authors' (z-lab) drafter class
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -76,14 +93,17 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
 
 
 def drafter_kind(path: str | Path) -> str | None:
-    """"eagle3" or "eagle" when `path` is a directory holding a drafter in its authors' layout, else None: its
-    config.json names an EAGLE-3 class, or a Llama one with one layer beside weights holding `fc.weight`."""
+    """"eagle3", "eagle" or "dflash" when `path` is a directory holding a drafter in its authors' layout, else
+    None: its config.json names an EAGLE-3 or DFlash class, or a Llama one with one layer beside weights holding
+    `fc.weight`."""
     path = Path(path)
     try:
         config = json.loads((path / "config.json").read_text())
         classes = config.get("architectures") or []
         if any(c in EAGLE3_ARCHITECTURES for c in classes):
             return "eagle3"
+        if any(c in DFLASH_ARCHITECTURES for c in classes):
+            return "dflash"
         if (any(c in EAGLE_ARCHITECTURES for c in classes) and config.get("num_hidden_layers") == 1
                 and "fc.weight" in SafetensorsFile(path / WEIGHTS_FILE).shapes):
             return "eagle"
@@ -93,13 +113,16 @@ def drafter_kind(path: str | Path) -> str | None:
 
 
 def load_reference_drafter(directory: str | Path, target: ModelConfig):
-    """(drafter, metadata) from a directory in its authors' layout, EAGLE or EAGLE-3 (`drafter_kind`); ValueError
-    naming the directory when it is neither."""
+    """(drafter, metadata) from a directory in its authors' layout, EAGLE, EAGLE-3 or DFlash (`drafter_kind`);
+    ValueError naming the directory when it is none of them."""
     kind = drafter_kind(directory)
     if kind is None:
-        raise FileError(f"{str(directory)!r} holds no EAGLE or EAGLE-3 drafter in its authors' layout (config.json "
-                        f"naming one of {list(EAGLE3_ARCHITECTURES + EAGLE_ARCHITECTURES)} and {WEIGHTS_FILE})")
-    return (load_reference_eagle3 if kind == "eagle3" else load_reference_eagle)(directory, target)
+        raise FileError(f"{str(directory)!r} holds no EAGLE, EAGLE-3 or DFlash drafter in its authors' layout "
+                        f"(config.json naming one of "
+                        f"{list(EAGLE3_ARCHITECTURES + EAGLE_ARCHITECTURES + DFLASH_ARCHITECTURES)} and "
+                        f"{WEIGHTS_FILE})")
+    load = {"eagle3": load_reference_eagle3, "eagle": load_reference_eagle, "dflash": load_reference_dflash}[kind]
+    return load(directory, target)
 
 
 def _layer_config(cfg: dict, target: ModelConfig, source: str) -> ModelConfig:
@@ -228,23 +251,25 @@ def _value(head, dotted: str):
 
 
 def _from_checkpoint(values: dict[str, np.ndarray], names: dict[str, str], qkv: tuple[str, ...],
-                     gate_up: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Our parameters ({dotted name: array}, as `flat_params` names them) from a checkpoint's tensors."""
+                     gate_up: tuple[str, ...], layer: str = "") -> dict[str, np.ndarray]:
+    """Our parameters ({dotted name: array}, as `flat_params` names them) from a checkpoint's tensors; `layer` is
+    the prefix of the fused projections' layer among ours ("" for a drafter of one layer, "layers.i.")."""
     ours = {name: values[ckpt] for name, ckpt in names.items()}
-    ours["attn.qkv"] = np.concatenate([values[name] for name in qkv])  # rows [q; k; v]
-    ours["mlp.gate_up"] = np.concatenate([values[name] for name in gate_up])  # rows [gate; up]
+    ours[f"{layer}attn.qkv"] = np.concatenate([values[name] for name in qkv])  # rows [q; k; v]
+    ours[f"{layer}mlp.gate_up"] = np.concatenate([values[name] for name in gate_up])  # rows [gate; up]
     return ours
 
 
 def _to_checkpoint(head, names: dict[str, str], qkv: tuple[str, ...],
-                   gate_up: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors named by `names`, `qkv` and `gate_up` from `head`'s parameters."""
+                   gate_up: tuple[str, ...], layer: str = "") -> dict[str, np.ndarray]:
+    """The checkpoint's tensors named by `names`, `qkv` and `gate_up` from `head`'s parameters (`layer` as for
+    `_from_checkpoint`)."""
     cfg = head.cfg
     ours = flat_params(nnx.state(head))
     tensors = {ckpt: ours[name] for name, ckpt in names.items()}
     h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    tensors.update(zip(qkv, np.split(ours["attn.qkv"], [h * hd, (h + hkv) * hd])))
-    tensors.update(zip(gate_up, np.split(ours["mlp.gate_up"], 2)))
+    tensors.update(zip(qkv, np.split(ours[f"{layer}attn.qkv"], [h * hd, (h + hkv) * hd])))
+    tensors.update(zip(gate_up, np.split(ours[f"{layer}mlp.gate_up"], 2)))
     return tensors
 
 
@@ -355,6 +380,134 @@ def save_reference_eagle(directory: str | Path, head: ReferenceEagleHead, *, dty
     return _write(directory, _to_checkpoint(head, names, _QKV1, _GATE_UP1), config, dtype)
 
 
-__all__ = ["EAGLE3_ARCHITECTURES", "EAGLE_ARCHITECTURES", "default_layer_ids", "drafter_kind",
-           "load_reference_drafter", "load_reference_eagle", "load_reference_eagle3", "save_reference_eagle",
+# --------------------------------------------------------------------------------------------
+# DFlash
+# --------------------------------------------------------------------------------------------
+
+
+def _dflash_names(num_layers: int) -> tuple[dict[str, str], list[tuple[str, tuple[str, ...], tuple[str, ...]]]]:
+    """A DFlash checkpoint's names: {our parameter: theirs} for the tensors stored one to one, and per layer its
+    prefix among ours with the parts of its fused projections (q, k, v; gate, up)."""
+    names = {"fc": "fc.weight", "hidden_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight"}
+    fused = []
+    for i in range(num_layers):
+        theirs, ours = f"layers.{i}.", f"layers.{i}."
+        one_to_one, qkv, gate_up = _layer_names(theirs)
+        names.update({ours + name: ckpt for name, ckpt in one_to_one.items()})
+        names.update({f"{ours}input_norm.weight": f"{theirs}input_layernorm.weight",
+                      f"{ours}attn.q_norm.weight": f"{theirs}self_attn.q_norm.weight",
+                      f"{ours}attn.k_norm.weight": f"{theirs}self_attn.k_norm.weight"})
+        fused.append((ours, qkv, gate_up))
+    return names, fused
+
+
+def dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The target layers a DFlash drafter reads when its config names none, as its authors choose them: one per
+    drafter layer, evenly from layer 1 to layer L - 3 (the middle layer for a drafter of one layer)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 3 - 1
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def _dflash_setting(cfg: dict, name: str, kind: str, source: str, default=REQUIRED):
+    """A DFlash setting from `dflash_config`, where the authors' configs keep it, else from the top level."""
+    inner = field(cfg, "dflash_config", "dict", source, {})
+    if name in inner:
+        return field(inner, name, kind, f"{source} (dflash_config)")
+    return field(cfg, name, kind, source, default)
+
+
+def load_reference_dflash(directory: str | Path, target: ModelConfig) -> tuple[DFlashDrafter, dict]:
+    """(drafter, metadata) from a directory holding a DFlash drafter in its authors' layout (`DFlashDraftModel`:
+    config.json with `dflash_config` {mask_token_id, target_layer_ids, block_size}, and model.safetensors), for a
+    target of config `target`.
+
+    Target layer ids count as jaxspec's feature layers do (id j is the output of decoder layer j). FileError (a
+    ValueError) naming the file and the problem for: another architecture (DFlash2's convolutions and candidate
+    selector are not run here), windowed or causal layers, biases, another vocabulary or hidden size than the
+    target's, layer ids or a mask token outside the target, missing, unexpected or misshapen tensors, non-finite
+    weights.
+    """
+    directory = Path(directory)
+    source = f"DFlash drafter config {str(directory / 'config.json')!r}"
+    cfg = json_object(read_json(directory / "config.json", "DFlash drafter config"), source)
+    classes = field(cfg, "architectures", "list", source, [])
+    if not any(c in DFLASH_ARCHITECTURES for c in classes):
+        raise FileError(f"{source}: architectures {describe(classes)} is not a DFlash drafter jaxspec runs (one of "
+                        f"{list(DFLASH_ARCHITECTURES)})")
+    if field(cfg, "attention_bias", "bool", source, False):
+        raise FileError(f"{source}: field 'attention_bias' is true; this drafter's layers have no attention biases")
+    if field(cfg, "is_causal", "bool", source, False) or "sliding_attention" in field(cfg, "layer_types", "list",
+                                                                                       source, []):
+        raise FileError(f"{source}: causal or windowed drafter layers; jaxspec runs DFlash drafters whose layers "
+                        f"attend to the whole context and bidirectionally within the block")
+    vocab = field(cfg, "vocab_size", "int", source)
+    if vocab != target.vocab_size:
+        raise FileError(f"{source}: field 'vocab_size'={vocab}, but the target has {target.vocab_size} tokens: "
+                        f"this drafter was made for another model")
+    layers = ModelConfig.from_hf({**{k: v for k, v in cfg.items() if k not in ("architectures", "layer_types")},
+                                  "model_type": "qwen3"}, source=source)
+    if layers.hidden_size != target.hidden_size:
+        raise FileError(f"{source}: hidden_size={layers.hidden_size}, but the target's is {target.hidden_size}")
+    ids = _dflash_setting(cfg, "target_layer_ids", "list", source, None)
+    ids = dflash_layer_ids(target.num_layers, layers.num_layers) if ids is None else ids
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < target.num_layers
+                          for i in ids) or len(set(ids)) != len(ids):
+        raise FileError(f"{source}: target_layer_ids {describe(ids)} must be distinct decoder layers in "
+                        f"[0, {target.num_layers}) of this {target.num_layers}-layer target")
+    mask = _dflash_setting(cfg, "mask_token_id", "int", source)
+    if not 0 <= mask < target.vocab_size:
+        raise FileError(f"{source}: mask_token_id={mask} is not a token of the target, in [0, {target.vocab_size})")
+    block = _dflash_setting(cfg, "block_size", "int", source, DFLASH_BLOCK)
+    if block < 2:
+        raise FileError(f"{source}: block_size={block} must be >= 2")
+
+    def build():
+        return DFlashDrafter(target, tuple(ids), num_layers=layers.num_layers, block_size=block, mask_token_id=mask,
+                             layers=layers, rngs=nnx.Rngs(0))
+
+    weights = _weights(directory, "DFlash drafter")
+    tensors = {name.removeprefix("model."): name for name in weights.shapes}
+    abstract = nnx.eval_shape(build)
+    names, fused = _dflash_names(layers.num_layers)
+    needed = {ckpt: tuple(_value(abstract, ours).shape) for ours, ckpt in names.items()}
+    for _, qkv, gate_up in fused:
+        needed.update(_checkpoint_shapes(abstract, {}, qkv, gate_up, layers.hidden_size))
+    check_shapes({name: weights.shapes[stored] for name, stored in tensors.items()}, needed,
+                 source=weights.source, needed="the drafter its config.json describes")
+    values = {name: weights.read(tensors[name]) for name in needed}
+    ours: dict[str, np.ndarray] = {}
+    for prefix, qkv, gate_up in fused:
+        ours.update(_from_checkpoint(values, {}, qkv, gate_up, layer=prefix))
+    ours.update({name: values[ckpt] for name, ckpt in names.items()})
+    graphdef, state = nnx.split(build())
+    fill_params(state, ours, source=weights.source, needed="this drafter")
+    meta = {"kind": "dflash", "architecture": "reference", "feature_layers": list(ids), "source": str(directory),
+            "num_layers": layers.num_layers, "block_size": block, "mask_token_id": mask}
+    return nnx.merge(graphdef, state), meta
+
+
+def save_reference_dflash(directory: str | Path, drafter: DFlashDrafter, target: ModelConfig, *,
+                          dtype: str = "float32") -> Path:
+    """Write `drafter` to `directory` in its authors' DFlash layout (config.json and model.safetensors), for a
+    target of config `target`; returns the directory. `dtype` as for `save_reference_eagle3`."""
+    cfg = drafter.cfg
+    names, fused = _dflash_names(drafter.num_layers)
+    tensors: dict[str, np.ndarray] = {}
+    for prefix, qkv, gate_up in fused:
+        tensors.update(_to_checkpoint(drafter, {}, qkv, gate_up, layer=prefix))
+    ours = flat_params(nnx.state(drafter))
+    tensors.update({ckpt: ours[name] for name, ckpt in names.items()})
+    settings = {"block_size": drafter.block_size, "mask_token_id": drafter.mask_token_id,
+                "target_layer_ids": list(drafter.feature_layers)}
+    config = {**_layer_config_json(cfg), "architectures": [DFLASH_ARCHITECTURES[0]], "model_type": "qwen3",
+              "num_hidden_layers": drafter.num_layers, "num_target_layers": target.num_layers,
+              "block_size": drafter.block_size, "is_causal": False, "dflash_config": settings}
+    return _write(directory, tensors, config, dtype)
+
+
+__all__ = ["DFLASH_ARCHITECTURES", "EAGLE3_ARCHITECTURES", "EAGLE_ARCHITECTURES", "default_layer_ids",
+           "dflash_layer_ids", "drafter_kind", "load_reference_dflash", "load_reference_drafter",
+           "load_reference_eagle", "load_reference_eagle3", "save_reference_dflash", "save_reference_eagle",
            "save_reference_eagle3"]

@@ -42,11 +42,12 @@ from jaxspec.cache import KVCache
 from jaxspec.target import check_config, check_readout
 
 from .config import ModelConfig
+from .dflash import DFLASH_BLOCK, DFlashDrafter
 from .files import REQUIRED, FileError, SafetensorsFile, describe, field, json_object, read_json
 from .llama import MLP, Attention, DecoderLayer, RMSNorm, _dense_init, visibility_mask
 from .rope import rope_tables
 
-HeadKind = Literal["medusa", "eagle", "eagle3"]
+HeadKind = Literal["medusa", "eagle", "eagle3", "dflash"]
 WEIGHTS_DIR = Path(__file__).parent / "weights"  # shipped heads: <model>.<kind>.safetensors (+ .json)
 
 
@@ -335,14 +336,24 @@ HEAD_ARCHITECTURES = ("jaxspec", "reference")
 
 
 def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int = 0,
-             feature_layers: tuple[int, ...] | None = None, architecture: str = "jaxspec"):
+             feature_layers: tuple[int, ...] | None = None, architecture: str = "jaxspec", num_layers: int = 2,
+             block_size: int = DFLASH_BLOCK, mask_token_id: int | None = None):
     """A freshly initialised head of `kind` for a target of config `cfg` (ValueError naming a field it lacks).
-    An eagle3 head fuses `feature_layers` (default `eagle3_layers(cfg.num_layers)`). An eagle or eagle3 head's
-    `architecture` is jaxspec's own ("jaxspec": `EagleHead`, `Eagle3Head`) or the EAGLE authors' ("reference":
-    `ReferenceEagleHead`, `ReferenceEagle3Head`, sharing the target's LM head)."""
-    if architecture not in HEAD_ARCHITECTURES or (architecture != "jaxspec" and kind == "medusa"):
+    An eagle3 head and a dflash drafter read `feature_layers` (default `eagle3_layers(cfg.num_layers)`). An eagle
+    or eagle3 head's `architecture` is jaxspec's own ("jaxspec": `EagleHead`, `Eagle3Head`) or the EAGLE authors'
+    ("reference": `ReferenceEagleHead`, `ReferenceEagle3Head`, sharing the target's LM head). A dflash drafter
+    (`DFlashDrafter`) has `num_layers` decoder layers, drafts blocks of `block_size` (the anchor and
+    block_size - 1 masks) and fills mask positions with the embedding of `mask_token_id` (default the last id of
+    the target's vocabulary, a rare token)."""
+    if architecture not in HEAD_ARCHITECTURES or (architecture != "jaxspec" and kind in ("medusa", "dflash")):
         raise ValueError(f"architecture={architecture!r} must be one of {HEAD_ARCHITECTURES} for an eagle or eagle3 "
-                         f"head, 'jaxspec' for medusa")
+                         f"head, 'jaxspec' for medusa and dflash")
+    if kind == "dflash":
+        check_config(cfg, "dflash")
+        layers = eagle3_layers(cfg.num_layers) if feature_layers is None else tuple(feature_layers)
+        mask = cfg.vocab_size - 1 if mask_token_id is None else mask_token_id
+        return DFlashDrafter(cfg, layers, num_layers=num_layers, block_size=block_size, mask_token_id=mask,
+                             rngs=nnx.Rngs(seed))
     if kind == "medusa":
         check_config(cfg, "medusa")  # the heads are sized from cfg.hidden_size
         return MedusaHeads(cfg, num_heads)
@@ -355,7 +366,7 @@ def new_head(kind: HeadKind, cfg: ModelConfig, *, num_heads: int = 4, seed: int 
         if architecture == "reference":
             return ReferenceEagle3Head(cfg, layers, target_hidden=cfg.hidden_size, rngs=nnx.Rngs(seed))
         return Eagle3Head(cfg, layers, rngs=nnx.Rngs(seed))
-    raise ValueError(f"head kind={kind!r} must be 'medusa', 'eagle' or 'eagle3'")
+    raise ValueError(f"head kind={kind!r} must be one of {HEAD_KINDS}")
 
 
 def _weights_file(path: str | Path) -> Path:
@@ -410,6 +421,8 @@ def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any
     meta = {"kind": kind, "num_heads": getattr(head, "num_heads", None), **(metadata or {})}
     if getattr(head, "feature_layers", ()):
         meta["feature_layers"] = list(head.feature_layers)
+    if isinstance(head, DFlashDrafter):
+        meta.update(num_layers=head.num_layers, block_size=head.block_size, mask_token_id=head.mask_token_id)
     if isinstance(head, ReferenceEagle3Head) and (head.lm_head is not None or head.embed is not None
                                                   or head.norm_before_residual):
         raise ValueError("a drafter with its own LM head or embedding is saved in its authors' layout "
@@ -420,11 +433,11 @@ def save_head(path: str | Path, head, *, kind: HeadKind, metadata: dict[str, Any
     return path
 
 
-HEAD_KINDS = ("medusa", "eagle", "eagle3")
+HEAD_KINDS = ("medusa", "eagle", "eagle3", "dflash")
 
 
-def _head_settings(meta: Any, cfg: ModelConfig, source: str) -> tuple[HeadKind, int, tuple[int, ...] | None, str]:
-    """(kind, num_heads, feature_layers, architecture) from a head's metadata, each field checked for this
+def _head_settings(meta: Any, cfg: ModelConfig, source: str) -> tuple[HeadKind, dict[str, Any]]:
+    """(kind, the settings `new_head` builds it with) from a head's metadata, each field checked for this
     target."""
     meta = json_object(meta, source)
     kind = field(meta, "kind", "str", source)
@@ -434,17 +447,26 @@ def _head_settings(meta: Any, cfg: ModelConfig, source: str) -> tuple[HeadKind, 
     if kind == "medusa" and num_heads < 1:
         raise FileError(f"{source}: field 'num_heads'={num_heads} must be >= 1")
     layers = field(meta, "feature_layers", "list", source, None)
-    if kind == "eagle3" and layers is not None:
+    if kind in ("eagle3", "dflash") and layers is not None:
         if not layers or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.num_layers
                                  for i in layers) or len(set(layers)) != len(layers):
             raise FileError(f"{source}: field 'feature_layers' must list distinct decoder layers of this "
                             f"{cfg.num_layers}-layer model; got {describe(layers)}")
         layers = tuple(layers)
     architecture = field(meta, "architecture", "str", source, "jaxspec")
-    if architecture not in HEAD_ARCHITECTURES or (architecture != "jaxspec" and kind == "medusa"):
+    if architecture not in HEAD_ARCHITECTURES or (architecture != "jaxspec" and kind in ("medusa", "dflash")):
         raise FileError(f"{source}: field 'architecture'={describe(architecture)} must be one of "
-                        f"{HEAD_ARCHITECTURES} for an eagle or eagle3 head, absent for medusa")
-    return kind, num_heads if kind == "medusa" else 1, layers if kind == "eagle3" else None, architecture
+                        f"{HEAD_ARCHITECTURES} for an eagle or eagle3 head, absent for medusa and dflash")
+    settings = {"num_heads": num_heads if kind == "medusa" else 1, "architecture": architecture,
+                "feature_layers": layers if kind in ("eagle3", "dflash") else None}
+    if kind == "dflash":
+        for name, low, high in (("num_layers", 1, None), ("block_size", 2, None),
+                                ("mask_token_id", 0, cfg.vocab_size - 1)):
+            value = field(meta, name, "int", source)
+            if value < low or (high is not None and value > high):
+                raise FileError(f"{source}: field {name!r}={value} must be in [{low}, {high or 'inf'}]")
+            settings[name] = value
+    return kind, settings
 
 
 def load_head(path: str | Path, cfg: ModelConfig):
@@ -465,13 +487,13 @@ def load_head(path: str | Path, cfg: ModelConfig):
         raise FileError(f"head metadata {str(meta_path)!r} does not exist (save_head writes it beside "
                         f"{path.name!r})")
     meta = read_json(meta_path, "head metadata")
-    kind, num_heads, layers, architecture = _head_settings(meta, cfg, f"head metadata {str(meta_path)!r}")
+    kind, settings = _head_settings(meta, cfg, f"head metadata {str(meta_path)!r}")
     weights = SafetensorsFile(path, "head file")
     weights.check_float()
     needed = f"a {kind} head for this model (hidden_size={cfg.hidden_size}"
-    needed += f", num_heads={num_heads})" if kind == "medusa" else ")"
+    needed += f", num_heads={settings['num_heads']})" if kind == "medusa" else ")"
     def build():
-        return new_head(kind, cfg, num_heads=num_heads, feature_layers=layers, architecture=architecture)
+        return new_head(kind, cfg, **settings)
 
     abstract = nnx.eval_shape(build)
     shapes = {name: tuple(var.get_value().shape) for name, var in _flat(nnx.state(abstract)).items()}

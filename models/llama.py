@@ -128,15 +128,9 @@ class Attention(nnx.Module):
         # heads. 1 (one [q; k; v]) without a mesh.
         self.blocks = 1
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None, write_cache=True, layer=None, window=None):
-        """x [B, T, D]; returns the attention block's output [B, T, D] and the caches with the new K/V written,
-        or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd].
-
-        With `layer` (i32[], inside a scanned layer stack) the caches are the stack's [B, L, Hkv, S, hd] buffers,
-        written and read at that layer. `window`: None for full attention, or (positions, W): the new tokens'
-        positions i32[B, T] and the layer's window W (an int, or an i32[] in a scanned stack of mixed layers);
-        committed slot s holds position s, so the window bounds slots as well as new tokens."""
+    def project(self, x, cos, sin) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The rotated queries q [B, T, H, hd] and keys k [B, Hkv, T, hd], and the values v [B, Hkv, T, hd], of
+        x [B, T, D_in] at the positions whose rotary tables cos, sin [B, T, hd] hold."""
         cfg = self.cfg
         B, T = cos.shape[:2]
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -152,7 +146,22 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
-        v = v.transpose(0, 2, 1, 3)
+        return q, k, v.transpose(0, 2, 1, 3)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
+                 cached_slots=None, write_cache=True, layer=None, window=None):
+        """x [B, T, D]; returns the attention block's output [B, T, D] and the caches with the new K/V written,
+        or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd].
+
+        With `layer` (i32[], inside a scanned layer stack) the caches are the stack's [B, L, Hkv, S, hd] buffers,
+        written and read at that layer. `window`: None for full attention, or (positions, W): the new tokens'
+        positions i32[B, T] and the layer's window W (an int, or an i32[] in a scanned stack of mixed layers);
+        committed slot s holds position s, so the window bounds slots as well as new tokens."""
+        cfg = self.cfg
+        B, T = cos.shape[:2]
+        H, hd = cfg.num_heads, cfg.head_dim
+        q, k, v = self.project(x, cos, sin)
+
         def this_layer(buffer):  # [B, Hkv, S, hd]: the layer's own buffer, or its slice of the stack's
             return buffer if layer is None else jax.lax.dynamic_index_in_dim(buffer, layer, 1, keepdims=False)
 
