@@ -20,6 +20,7 @@ from .models.heads import Readout, draft_vocab_path, load_draft_vocab, load_head
 from .models.llama import Llama
 from .models.loading import LanguageModel
 from .proposers.base import Proposer
+from .proposers.dflash import DFlashProposer
 from .proposers.draft_model import DraftModelProposer, self_draft_model
 from .proposers.eagle import EagleProposer
 from .proposers.group_sam import GroupSamProposer
@@ -210,6 +211,10 @@ def _build_head(lm, spec, shapes):
     # jaxspec's own Llama meets every method's contract (its tests trace it); another target's forward is traced.
     check_target(lm, spec.method, trace=type(lm.module) is not Llama)
     graphdef, head_params, meta = trained_head(lm, spec)
+    trained_over = (meta.get("head") or {}).get("draft_vocab")
+    if spec.method == "dflash" and spec.draft_vocab is None and trained_over:
+        # A DFlash drafter trained over a draft vocabulary scores only those columns well: it drafts over them.
+        spec = dataclasses.replace(spec, draft_vocab=trained_over)
     target_readout = draft_readout(lm, spec)
     readout = nnx.merge(graphdef, head_params).draft_readout(target_readout)
     if spec.draft_vocab is not None and readout.lm_head is not target_readout.lm_head:
@@ -219,6 +224,11 @@ def _build_head(lm, spec, shapes):
     k = spec.num_speculative_tokens
     if spec.method == "medusa":
         return MedusaProposer(k, graphdef, medusa_topology(meta, k)), params
+    if spec.method == "dflash":
+        drafter = nnx.merge(graphdef, head_params)
+        return DFlashProposer(k, graphdef, cache_len=shapes.cache_len, block_size=drafter.block_size,
+                              feature_layers=drafter.feature_layers, tree_top_k=spec.tree_top_k or 1,
+                              tree_depth=spec.tree_depth or 0), params
     if spec.method in ("eagle2", "eagle3"):
         return EagleProposer(k, graphdef, cache_len=shapes.cache_len, mode="tree", depth=spec.tree_depth,
                              top_k=spec.tree_top_k, feature_layers=tuple(meta.get("feature_layers") or ())), params
@@ -232,7 +242,7 @@ Builder = Callable[[LanguageModel, Any, Shapes], tuple[Proposer, Any]]  # (lm, S
 _BUILDERS: dict[str, Builder] = {
     "none": _build_none, "ngram": _build_ngram, "sam": _build_sam, "group_sam": _build_group_sam,
     "draft_model": _build_draft_model, "self_draft": _build_draft_model, "medusa": _build_head, "eagle": _build_head,
-    "eagle2": _build_head, "eagle3": _build_head, "custom": _build_custom,
+    "eagle2": _build_head, "eagle3": _build_head, "dflash": _build_head, "custom": _build_custom,
 }
 if set(_BUILDERS) != set(METHODS):  # a method added to the registry needs its builder here
     raise ImportError(f"methods without a builder: {sorted(set(METHODS) - set(_BUILDERS))}; builders without a "

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 PROG = "jaxspec"
-TRAIN_KINDS = ("eagle", "eagle3", "medusa")
+TRAIN_KINDS = ("eagle", "eagle3", "medusa", "dflash")
 
 
 def _methods() -> tuple[str, ...]:

@@ -106,6 +106,12 @@ _ALL = (
            head="eagle3", served=True, needs=("tree", "features", "eagle_head", "layer_features"),
            defaults=_defaults(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf,
                               verify_widths=(1, 16), tree_depth=3, tree_top_k=4, draft_vocab=4096)),
+    # DFlash: a block drafter reading the same three target layers, drafting the whole chain in one forward; K is
+    # its block less the anchor (the authors' drafters draft blocks of 16), over the same draft vocabulary.
+    Method("dflash", "head", "a DFlash block drafter predicts a whole chain in one forward from the target's layers",
+           head="dflash", served=True, needs=("tree", "features", "eagle_head", "layer_features"),
+           defaults=_defaults(num_speculative_tokens=15, min_match=1, draft_per_match=math.inf,
+                              verify_widths=(1, 16), draft_vocab=4096)),
     Method("custom", "custom", "your own Proposer (SpecConfig.proposer, .proposer_params)",
            defaults=_defaults(min_match=1, draft_per_match=math.inf)),
 )

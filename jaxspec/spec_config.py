@@ -108,21 +108,23 @@ class SpecConfig:
     # (docs/benchmarks.md has the figures).
     cost_aware: bool | None = None
     self_draft_layers: int = 8  # self_draft: the target's first N layers plus its final norm and LM head
-    # medusa / eagle / eagle2 / eagle3: the trained head's file (jaxspec.models.heads.save_head); None takes the
-    # head shipped for the model (models/weights/<model>.<kind>.safetensors).
+    # medusa / eagle / eagle2 / eagle3 / dflash: the trained head's file (jaxspec.models.heads.save_head); None
+    # takes the head shipped for the model (models/weights/<model>.<kind>.safetensors).
     head_path: str | None = None
     # eagle2 / eagle3: levels of the dynamic tree, and frontier nodes expanded per level (each with that many
     # children). Unset, the method's depth (3), or the least that drafts num_speculative_tokens nodes.
     # eagle: unset drafts a chain of K; set, a static tree (EAGLE-1) of K nodes at most tree_depth deep, with
     # up to tree_top_k candidates per node (`TreeTopology.default`).
+    # dflash: both set, a tree: the block's chain with the tree_top_k - 1 next best candidates at each of its first
+    # tree_depth positions (K counts every node).
     # group_sam: tree_top_k > 1 drafts that many continuations from the group, differing in their first token,
     # K // tree_top_k deep each (Seer's multi-path drafting; sam_index "match" or "auto"); tree_depth stays unset.
     tree_depth: int | None = None
     tree_top_k: int | None = None
-    # medusa / eagle / eagle2 / eagle3: the head scores only the N most frequent target tokens (FR-Spec), the first N of
-    # a frequency ranking (models/weights/<model>.draft_vocab.json, or <head>.draft_vocab.json beside your own
-    # head), so a drafting pass skips most of the LM head; drafts map back to target ids and verification stays
-    # lossless. An integer in [1, vocab_size] (the vocabulary size means all of it); unset takes the method's
+    # medusa / eagle / eagle2 / eagle3 / dflash: the head scores only the N most frequent target tokens (FR-Spec),
+    # the first N of a frequency ranking (models/weights/<model>.draft_vocab.json, or <head>.draft_vocab.json beside
+    # your own head), so a drafting pass skips most of the LM head; drafts map back to target ids and verification
+    # stays lossless. An integer in [1, vocab_size] (the vocabulary size means all of it); unset takes the method's
     # default for its shipped head, and a head_path of your own drafts over the full vocabulary unless set.
     draft_vocab: int | None = None
     # Predicted outputs (generate's `prediction=`): the most drafts per step taken from a row's prediction.
@@ -196,6 +198,13 @@ class SpecConfig:
             if k > drafted:
                 raise ValueError(f"num_speculative_tokens={k} exceeds the {drafted} nodes a tree of tree_depth="
                                  f"{self.tree_depth}, tree_top_k={self.tree_top_k} drafts")
+        if self.method == "dflash" and (self.tree_depth, self.tree_top_k) != (None, None):
+            m, depth = self.tree_top_k, self.tree_depth
+            if not is_integer(m) or m < 2 or not is_integer(depth) or depth < 1 or k - depth * (m - 1) < depth:
+                raise ValueError(f"dflash drafts a tree with tree_top_k >= 2 candidates at each of its first "
+                                 f"tree_depth >= 1 positions, leaving a chain of num_speculative_tokens - tree_depth "
+                                 f"* (tree_top_k - 1) >= tree_depth drafts; got tree_depth={depth!r}, "
+                                 f"tree_top_k={m!r}, num_speculative_tokens={k}")
         if self.method == "group_sam" and (self.tree_depth, self.tree_top_k) != (None, None):
             paths = self.tree_top_k
             if self.tree_depth is not None or not is_integer(paths) or paths < 1 or k % paths:
@@ -209,7 +218,7 @@ class SpecConfig:
                 raise ValueError(f"draft_vocab={self.draft_vocab!r} must be None or an integer in [1, vocab_size]")
             if get(self.method).kind != "head":
                 raise ValueError(f"draft_vocab={self.draft_vocab!r} applies to the trained heads (medusa, eagle, "
-                                 f"eagle2, eagle3), not method={self.method!r}")
+                                 f"eagle2, eagle3, dflash), not method={self.method!r}")
         if self.head_path is not None and not isinstance(self.head_path, (str, os.PathLike)):
             raise ValueError(f"head_path={self.head_path!r} must be a path")
         if self.cost_aware is not None and not isinstance(self.cost_aware, (bool, np.bool_)):

@@ -224,7 +224,7 @@ def check_config(cfg, method: str | None = None) -> None:
 
 def _readout_problems(params, method: str | None, cfg=None) -> str | None:
     """What `params` lacks for `Readout.of`: `embed` [V, D] and `lm_head` [D, V] (with cfg: V and D from it)."""
-    who = _label(method) if method is not None else "a trained head (medusa, eagle, eagle2, eagle3)"
+    who = _label(method) if method is not None else "a trained head (medusa, eagle, eagle2, eagle3, dflash)"
     shapes = {}
     for name in ("embed", "lm_head"):
         try:

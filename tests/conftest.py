@@ -14,7 +14,7 @@ from flax import nnx
 
 import jaxspec
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.heads import Eagle3Head, EagleHead, MedusaHeads, eagle3_layers, save_head
+from jaxspec.models.heads import Eagle3Head, EagleHead, MedusaHeads, eagle3_layers, new_head, save_head
 from jaxspec.models.llama import Llama
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -65,7 +65,7 @@ def tiny_lm():
 @pytest.fixture(scope="session")
 def head_files(tiny_lm, tmp_path_factory):
     """Random heads for the tiny model saved as files: Medusa with non-zero blocks (so heads differ), an EAGLE
-    head and an EAGLE-3 head."""
+    head, an EAGLE-3 head and a DFlash drafter (blocks of 8)."""
     cfg = tiny_lm.config
     medusa = MedusaHeads(cfg, 3)
     key = jax.random.key(3)
@@ -75,7 +75,9 @@ def head_files(tiny_lm, tmp_path_factory):
                                 metadata={"rank_probs": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]]}),
             "eagle": save_head(root / "eagle", EagleHead(cfg, rngs=nnx.Rngs(5)), kind="eagle"),
             "eagle3": save_head(root / "eagle3", Eagle3Head(cfg, eagle3_layers(cfg.num_layers), rngs=nnx.Rngs(6)),
-                                kind="eagle3")}
+                                kind="eagle3"),
+            "dflash": save_head(root / "dflash", new_head("dflash", cfg, num_layers=1, block_size=8, seed=7),
+                                kind="dflash")}
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -256,7 +256,26 @@ def test_export_command_writes_a_trained_reference_head(smollm2, tmp_path, capsy
     assert meta["feature_layers"] == list(head.feature_layers)
     fused = save_head(tmp_path / "fused", new_head("eagle3", smollm2.config), kind="eagle3")
     assert export_eagle.main(["--head", str(fused), "--out", str(tmp_path / "no")]) == 2
-    assert "not an EAGLE or EAGLE-3 head of the reference architecture" in capsys.readouterr().err
+    assert "nor an EAGLE or EAGLE-3 head of the reference architecture" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_export_command_writes_a_dflash_drafter_in_its_authors_layout(smollm2, tmp_path):
+    """The shipped DFlash drafter exported with `python -m jaxspec.train.export_eagle` (bfloat16) loads back from
+    the directory and drafts the same greedy text as plain decoding."""
+    from jaxspec.models.heads import WEIGHTS_DIR
+    from jaxspec.train import export_eagle
+
+    out = tmp_path / "dflash"
+    assert export_eagle.main(["--head", str(WEIGHTS_DIR / "smollm2-135m.dflash.safetensors"), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["target_layer_ids"] == [2, 15, 27]
+    prompt = ["def running_mean(values):\n    \"\"\"Return the mean of every prefix of values.\"\"\"\n"]
+    plain = jaxspec.generate(smollm2, prompt, max_new_tokens=24)
+    spec = SpecConfig(method="dflash", head_path=str(out), draft_vocab=4096)
+    out = jaxspec.generate(smollm2, prompt, max_new_tokens=24, spec=spec)
+    assert out.token_ids == plain.token_ids and out.stats.drafted > 0
 
 
 def _shipped_ranking(lm):

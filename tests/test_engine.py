@@ -279,14 +279,15 @@ def test_logprobs_stream_with_their_tokens(tiny_lm, fixed_engine):
 HEAD_SPECS = [dict(method="medusa", num_speculative_tokens=7),
               dict(method="eagle2", num_speculative_tokens=9, tree_depth=4, tree_top_k=3),
               dict(method="eagle", num_speculative_tokens=K),
-              dict(method="eagle3", num_speculative_tokens=9, tree_depth=4, tree_top_k=3)]
+              dict(method="eagle3", num_speculative_tokens=9, tree_depth=4, tree_top_k=3),
+              dict(method="dflash", num_speculative_tokens=7)]
 
 
 @pytest.mark.parametrize("spec_kwargs", HEAD_SPECS, ids=lambda d: d["method"])
 def test_a_trained_head_is_served_beside_none(tiny_lm, head_files, fresh_engine, spec_kwargs):
     """A head (its tree, or its chain sampled from q) runs alone in the MixedProposer, beside plain rows and
     rows with smaller budgets; greedy rows and, for the deterministic trees, seeded rows equal offline."""
-    kind = spec_kwargs["method"] if spec_kwargs["method"] in ("medusa", "eagle3") else "eagle"
+    kind = spec_kwargs["method"] if spec_kwargs["method"] in ("medusa", "eagle3", "dflash") else "eagle"
     spec = SpecConfig(head_path=str(head_files[kind]), **spec_kwargs)
     engine = fresh_engine(dataclasses.replace(CONFIG, spec=spec, methods=("none", spec.method))).start(warmup=False)
     seeded = SamplingParams(temperature=0.8, seed=21)
@@ -295,7 +296,7 @@ def test_a_trained_head_is_served_beside_none(tiny_lm, head_files, fresh_engine,
                 Request(PROMPTS[4], N, logprobs=1)]
     results = run_all(engine, requests)
     for i, (req, c) in enumerate(zip(requests, results)):
-        if req.sampling == seeded and spec.method == "eagle":
+        if req.sampling == seeded and spec.method in ("eagle", "dflash"):
             assert len(c.tokens) == N  # drafts sampled from q: the same distribution, not the same tokens
             continue
         assert c.tokens == offline(tiny_lm, req.prompt_ids, req.sampling), f"request {i}"

@@ -66,7 +66,7 @@ def test_the_custom_model_meets_the_contract_of_every_method_but_eagle(gpt):
     for method in ("none", "ngram", "sam", "draft_model", "custom", "self_draft"):
         check_target(gpt, method, trace=False)
     # EAGLE's head is a Llama decoder layer sized from a Llama config, which a GPT config is not.
-    for method in ("eagle", "eagle2", "eagle3"):
+    for method in ("eagle", "eagle2", "eagle3", "dflash"):
         with pytest.raises(ValueError, match=rf"method='{method}' needs cfg.intermediate_size"):
             check_target(gpt, method)
 
@@ -312,8 +312,8 @@ def test_self_draft_and_heads_refuse_a_model_lacking_their_part(tmp_path):
         jaxspec.generate(lm, [[1, 2, 3]], max_new_tokens=4, spec=SpecConfig(method="medusa", head_path=str(medusa)))
     # The readout the heads share: a model whose token embedding is called `wte` has no params['embed'].
     renamed = nnx.State({("wte" if k == "embed" else k): v for k, v in nnx.state(_gpt_with(None)).items()})
-    with pytest.raises(ValueError, match=r"a trained head \(medusa, eagle, eagle2, eagle3\) needs the parameter "
-                                         r"'embed'"):
+    with pytest.raises(ValueError, match=r"a trained head \(medusa, eagle, eagle2, eagle3, dflash\) needs the "
+                                         r"parameter 'embed'"):
         Readout.of(renamed)
     with pytest.raises(ValueError, match="method='medusa' needs cfg.hidden_size"):
         check_config(HFNamedConfig(), "medusa")

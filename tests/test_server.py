@@ -452,10 +452,10 @@ def test_metrics_parse_and_count(server):
 
 # eagle2 is marked slow: each head starts a server of its own (more than a minute on a small CPU), the serving
 # path is the same for both tree heads, and eagle2's head is served beside other methods in tests/test_engine.py.
-@pytest.mark.parametrize("method", [pytest.param("eagle2", marks=pytest.mark.slow), "eagle3"])
+@pytest.mark.parametrize("method", [pytest.param("eagle2", marks=pytest.mark.slow), "eagle3", "dflash"])
 def test_a_trained_head_is_served(smollm2, humaneval_prompts, tmp_path, method):
-    """`serve.py --method eagle3` (or eagle2): the shipped head drafts dynamic trees for a greedy request, which
-    still gets exactly the offline text."""
+    """`serve.py --method eagle3` (or eagle2, dflash): the shipped head drafts dynamic trees (dflash: blocks) for a
+    greedy request, which still gets exactly the offline text."""
     args = ["--method", method, "--max-slots", "1", "--cache-len", "256", "--policy", "fixed", "--no-warmup"]
     with _serving(args, tmp_path / "serve.log") as running:
         client = openai.OpenAI(base_url=running["url"] + "/v1", api_key="unused", max_retries=0, timeout=900)
