@@ -31,6 +31,7 @@ from jaxspec.train import (
 )
 from jaxspec.train.cli import build_parser
 from jaxspec.train.data import MANIFEST
+from jaxspec.train.dflash import DFlashTask
 from jaxspec.train.eagle import EagleTask
 from jaxspec.train.eagle3 import Eagle3Task
 from jaxspec.train.losses import eagle_chains
@@ -42,9 +43,11 @@ TASKS = {"eagle": EagleTask(context=4, noise=0.05), "medusa": MedusaTask(num_hea
          "eagle-unrolled": EagleTask(context=4, noise=0.05, unroll=3, unroll_decay=0.8),
          "eagle3": Eagle3Task(context=4, unroll=2),
          "eagle3-reference": Eagle3Task(context=4, unroll=2, architecture="reference"),
-         "eagle-reference": EagleTask(context=4, noise=0.05, architecture="reference")}
+         "eagle-reference": EagleTask(context=4, noise=0.05, architecture="reference"),
+         "dflash": DFlashTask(num_layers=2, block_size=4, anchors=4, context=4, eval_stride=2),
+         "dflash-vocab": DFlashTask(num_layers=1, block_size=4, anchors=4, context=4, draft_ids=tuple(range(0, 97, 2)))}
 LR = {"eagle": 3e-3, "medusa": 2e-2, "eagle-unrolled": 3e-3, "eagle3": 3e-3, "eagle3-reference": 3e-3,
-      "eagle-reference": 3e-3}
+      "eagle-reference": 3e-3, "dflash": 3e-3, "dflash-vocab": 3e-3}
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -67,7 +70,7 @@ def layer_data(tiny_lm, tmp_path_factory) -> SelfDistillData:
 
 
 def _data_for(kind: str, request) -> SelfDistillData:
-    return request.getfixturevalue("layer_data" if kind.startswith("eagle3") else "data")
+    return request.getfixturevalue("layer_data" if kind.startswith(("eagle3", "dflash")) else "data")
 
 
 @pytest.fixture(scope="module")
@@ -234,22 +237,22 @@ def runs(tiny_lm, request, readout, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-unrolled", "eagle3", "eagle3-reference",
-                                  "eagle-reference"])
+                                  "eagle-reference", "dflash", "dflash-vocab"])
 def test_loss_falls(runs, kind):
     result = runs(kind)
     losses = [h["loss"] for h in result.history]
     assert len(losses) == 40 and np.all(np.isfinite(losses))
     # EAGLE-3's loss is the token loss alone, whose floor is the target's entropy (near log V for this random
     # target): what falls is its excess over that floor, the KL.
-    falling = [h["kl"] for h in result.history] if kind.startswith("eagle3") else losses
+    falling = [h["kl"] for h in result.history] if kind.startswith(("eagle3", "dflash")) else losses
     assert np.mean(falling[-5:]) < 0.85 * np.mean(falling[:5])
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-unrolled"])
-def test_resume_gives_the_losses_of_an_uninterrupted_run(runs, kind, tiny_lm, data, readout, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-unrolled", "dflash"])
+def test_resume_gives_the_losses_of_an_uninterrupted_run(runs, kind, tiny_lm, request, readout, tmp_path):
     reference = runs(kind)
     task = TASKS[kind]
-    batches = Batches(data, _spec(task), 4, seed=0)
+    batches = Batches(_data_for(kind, request), _spec(task), 4, seed=0)
     first = train(task, tiny_lm.config, readout, batches, _config(kind), tmp_path, stop_after=25, progress=False)
     assert first.step == 25  # "killed" after step 25; the last checkpoint is step 20
     second = train(task, tiny_lm.config, readout, batches, _config(kind), tmp_path, progress=False)
@@ -267,7 +270,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(runs, kind, tiny_lm, da
     assert restarted.resumed_from is None and restarted.step == 3
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle3", "eagle3-reference", "eagle-reference"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle3", "eagle3-reference", "eagle-reference", "dflash"])
 def test_export_round_trip_gives_the_same_predictions(runs, kind, tiny_lm, request, readout, tmp_path):
     result = runs(kind)
     data = _data_for(kind, request)
@@ -412,6 +415,29 @@ def test_evaluation_summaries(runs, kind, data, readout):
         assert probs[0, 0] == pytest.approx(right / summary["scored_positions"], abs=1e-4)
 
 
+def test_dflash_training_blocks_are_the_blocks_drafting_runs(runs, layer_data, readout):
+    """Every block `dflash_blocks` trains at once equals the drafter run as the proposer runs it: the context of
+    the positions before the anchor written to its cache, then the anchor's block alone."""
+    from jaxspec.models.dflash import block_visibility
+    from jaxspec.train.losses import dflash_blocks
+
+    drafter = runs("dflash").head
+    task = TASKS["dflash"]
+    batch = Batches(layer_data, _spec(task), 4).batch(0)
+    anchors = jnp.asarray([[4, 9, 13]] * 4, jnp.int32)
+    together = _jitted(lambda h, b, a: dflash_blocks(h, readout, b, a), drafter)(batch, anchors)
+    width = drafter.block_size
+    for m, a in enumerate([4, 9, 13]):
+        cache = drafter.new_cache(4, a + width)
+        cache = drafter.write_context(jnp.asarray(batch.layer_features[:, :a]), jnp.asarray(batch.positions[:, :a]),
+                                      cache, jnp.zeros((4,), jnp.int32))
+        start = jnp.full((4,), a, jnp.int32)
+        embeds = drafter.block_embeds(readout, jnp.asarray(batch.tokens[:, a]), width)
+        alone = drafter(embeds, jnp.asarray(batch.positions[:, a: a + 1]) + jnp.arange(width), cache, write_at=start,
+                        visible=block_visibility(start, width, a + width))
+        np.testing.assert_allclose(np.asarray(together[:, m]), np.asarray(alone), rtol=1e-4, atol=1e-5)
+
+
 def test_a_reference_drafter_moves_to_its_authors_layout_and_back(runs, tiny_lm, layer_data, readout, tmp_path):
     """A drafter of the EAGLE-3 authors' architecture trained here is written in the layout vLLM and SGLang load
     (float32: exactly), loads back scoring every window alike, and drafts losslessly from that directory, over
@@ -488,7 +514,7 @@ def test_measured_acceptance_scores_the_whole_default_draft(tiny_lm, head_files,
 
 # ---------------------------------------------------------------------------------------------- commands
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle3", "dflash"])
 def test_cli_help_explains_every_option(kind):
     out = subprocess.run([sys.executable, "-m", f"jaxspec.train.{kind}", "--help"], capture_output=True, text=True,
                          timeout=120)
@@ -497,8 +523,10 @@ def test_cli_help_explains_every_option(kind):
                "--batch-size", "--steps", "--epochs", "--lr", "--warmup-steps", "--weight-decay", "--clip",
                "--save-every", "--keep", "--seed", "--restart", "--eval-only", "--ship", "--data-parallel",
                "--chat-prompts", "--init-from"]
-    options += (["--w-cls", "--noise", "--context", "--unroll", "--unroll-decay"] if kind.startswith("eagle")
-                else ["--num-heads", "--decay"])
+    options += {"eagle": ["--w-cls", "--noise", "--context", "--unroll", "--unroll-decay"],
+                "medusa": ["--num-heads", "--decay"],
+                "dflash": ["--num-layers", "--block-size", "--anchors", "--gamma", "--context", "--draft-vocab"]
+                }[kind.removesuffix("3")]
     for option in options:
         assert option in out.stdout
     # Every option explains itself.

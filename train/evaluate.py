@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
+from jaxspec.models.dflash import DFlashDrafter
 from jaxspec.models.heads import EagleHead, MedusaHeads, Readout
 
 from .batches import Batch
-from .losses import eagle_chains, medusa_targets, shift
+from .losses import dflash_blocks, dflash_labels, eagle_chains, medusa_targets, shift
 
 
 def eagle_counts(head: EagleHead, readout: Readout, batch: Batch, *, depth: int) -> dict[str, jax.Array]:
@@ -52,6 +53,28 @@ def eagle_summary(counts: dict[str, float], depth: int) -> dict:
         "expected_acceptance_length": round(float(1 + sum(chain)), 4),
         "scored_positions": int(counts["scored_1"]),
     }
+
+
+def dflash_counts(drafter: DFlashDrafter, readout: Readout, draft: Readout, batch: Batch, *,
+                  stride: int) -> dict[str, jax.Array]:
+    """Sums over a batch, as `eagle_counts` gives them for drafting steps, for block positions s = 1..K of blocks
+    anchored at every `stride`-th window position of the loss region: a draft (scored through `draft`, the
+    readout drafting uses) is right when it is the target's greedy token (over its whole vocabulary, `readout`)."""
+    T = batch.inputs.shape[1]
+    depth = drafter.block_size - 1
+    anchors = jnp.broadcast_to(jnp.arange(0, T, stride, dtype=jnp.int32), (batch.inputs.shape[0], -(-T // stride)))
+    eligible = jnp.take_along_axis(batch.inputs & batch.label_ok[:, 1:T + 1], anchors, axis=1)  # [B, M]
+    target_logits, ok = dflash_labels(readout, batch, anchors, depth)
+    hidden = dflash_blocks(drafter, readout, batch, anchors)[:, :, 1:]  # [B, M, K, D]
+    right = draft.token_ids(jnp.argmax(draft.logits(hidden), -1)) == jnp.argmax(target_logits, -1)
+    valid = eligible[..., None] & (jnp.cumsum(~ok, axis=2) == 0)  # the anchor and every label up to s count
+    prefix = jnp.cumprod(right, axis=2).astype(bool)
+    counts = {}
+    for s in range(1, depth + 1):
+        counts[f"scored_{s}"] = jnp.sum(valid[..., s - 1])
+        counts[f"right_{s}"] = jnp.sum(right[..., s - 1] & valid[..., s - 1])
+        counts[f"all_right_{s}"] = jnp.sum(prefix[..., s - 1] & valid[..., s - 1])
+    return counts
 
 
 def medusa_counts(heads: MedusaHeads, readout: Readout, batch: Batch, *, top_k: int) -> dict[str, jax.Array]:
