@@ -155,6 +155,18 @@ def _feature_layers(cfg: dict, target: ModelConfig, source: str) -> tuple[int, .
     return tuple(i - 1 for i in ids)
 
 
+def _drafter_config(directory: Path, what: str, architectures: tuple[str, ...]) -> tuple[str, dict]:
+    """(how errors name it, the object) of a drafter's config.json, whose `architectures` must name one of
+    `architectures`; FileError naming the file otherwise."""
+    source = f"{what} drafter config {str(directory / 'config.json')!r}"
+    cfg = json_object(read_json(directory / "config.json", f"{what} drafter config"), source)
+    classes = field(cfg, "architectures", "list", source, [])
+    if not any(c in architectures for c in classes):
+        raise FileError(f"{source}: architectures {describe(classes)} names no {what} drafter class jaxspec runs "
+                        f"in its authors' layout (one of {list(architectures)})")
+    return source, cfg
+
+
 def _weights(directory: Path, what: str) -> SafetensorsFile:
     path = directory / WEIGHTS_FILE
     if not path.exists():
@@ -179,12 +191,7 @@ def load_reference_eagle3(directory: str | Path, target: ModelConfig) -> tuple[R
     unexpected or misshapen tensors, draft-to-target ids that are out of range or repeated, non-finite weights.
     """
     directory = Path(directory)
-    source = f"EAGLE-3 drafter config {str(directory / 'config.json')!r}"
-    cfg = json_object(read_json(directory / "config.json", "EAGLE-3 drafter config"), source)
-    classes = field(cfg, "architectures", "list", source, [])
-    if not any(c in EAGLE3_ARCHITECTURES for c in classes):
-        raise FileError(f"{source}: architectures {describe(classes)} is not an EAGLE-3 drafter in its authors' "
-                        f"layout (one of {list(EAGLE3_ARCHITECTURES)})")
+    source, cfg = _drafter_config(directory, "EAGLE-3", EAGLE3_ARCHITECTURES)
     layer = _layer_config(cfg, target, source)
     target_hidden = field(cfg, "target_hidden_size", "int", source, layer.hidden_size)
     if target_hidden != target.hidden_size:
@@ -430,12 +437,7 @@ def load_reference_dflash(directory: str | Path, target: ModelConfig) -> tuple[D
     weights.
     """
     directory = Path(directory)
-    source = f"DFlash drafter config {str(directory / 'config.json')!r}"
-    cfg = json_object(read_json(directory / "config.json", "DFlash drafter config"), source)
-    classes = field(cfg, "architectures", "list", source, [])
-    if not any(c in DFLASH_ARCHITECTURES for c in classes):
-        raise FileError(f"{source}: architectures {describe(classes)} is not a DFlash drafter jaxspec runs (one of "
-                        f"{list(DFLASH_ARCHITECTURES)})")
+    source, cfg = _drafter_config(directory, "DFlash", DFLASH_ARCHITECTURES)
     if field(cfg, "attention_bias", "bool", source, False):
         raise FileError(f"{source}: field 'attention_bias' is true; this drafter's layers have no attention biases")
     if field(cfg, "is_causal", "bool", source, False) or "sliding_attention" in field(cfg, "layer_types", "list",

@@ -165,7 +165,7 @@ def _drafters():
 
 @pytest.mark.parametrize("kind, change, message", [
     ("eagle3", lambda c, w: c.update(architectures=["Eagle3Speculator"]),
-     "not an EAGLE-3 drafter in its authors' layout"),
+     "names no EAGLE-3 drafter class jaxspec runs in its authors' layout"),
     ("eagle3", lambda c, w: c.update(num_hidden_layers=2), "num_hidden_layers"),
     ("eagle3", lambda c, w: c.update(vocab_size=65), "vocab_size"),
     ("eagle3", lambda c, w: c.update(target_hidden_size=32), "target_hidden_size"),
