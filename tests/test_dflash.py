@@ -3,7 +3,6 @@ their forward), errors at the boundary, and the shipped drafter on the real mode
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
@@ -20,9 +19,8 @@ from jaxspec import SamplingParams, SpecConfig
 from jaxspec.models.dflash import DFlashDrafter, block_visibility
 from jaxspec.models.eagle_files import dflash_layer_ids, load_reference_dflash, save_reference_dflash
 from jaxspec.models.heads import Readout, fill_params, flat_params, load_head, new_head, save_head
-from jaxspec.proposers.base import Proposer
-from jaxspec.proposers.dflash import DFlashProposer
 from jaxspec.train.prompts import humaneval_split
+from test_draft_vocab import RewrittenQ
 from test_hardening import _exact_pairs
 
 VOCAB = 97  # the tiny model's
@@ -95,37 +93,11 @@ def test_the_drafter_reads_its_context_and_attends_within_the_block(tiny_lm, dra
     assert not np.allclose(base[0, -1], other_context[0, -1])
 
 
-@dataclasses.dataclass(frozen=True)
-class UniformQDFlash(Proposer):
-    """Negative control: each sampled block handed to verification with a uniform q in place of the distributions
-    its drafts were drawn from (q lost on the way), so drafts are accepted as if any token were as likely. (Without
-    any q the point-mass rule would stay lossless: a draft drawn with keys of its own is a fixed token to
-    verification.)"""
-
-    inner: DFlashProposer
-    needs_features: bool = True
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        return self.inner.num_speculative_tokens
-
-    @property
-    def feature_layers(self):
-        return self.inner.feature_layers
-
-    @property
-    def max_depth(self) -> int:
-        return self.inner.max_depth
-
-    def init(self, params, ctx):
-        return self.inner.init(params, ctx)
-
-    def propose(self, params, pstate, ctx, keys):
-        draft, pstate = self.inner.propose(params, pstate, ctx, keys)
-        return draft.replace(probs=jnp.full_like(draft.probs, 1.0 / draft.probs.shape[-1])), pstate
-
-    def update(self, params, pstate, ctx, committed):
-        return self.inner.update(params, pstate, ctx, committed)
+def uniform_q(probs, params):
+    """Negative control: a uniform q in place of the distributions the drafts were drawn from (q lost on the way),
+    so drafts are accepted as if any token were as likely. (Without any q the point-mass rule would stay lossless: a
+    draft drawn with keys of its own is a fixed token to verification.)"""
+    return jnp.full_like(probs, 1.0 / probs.shape[-1])
 
 
 ROWS = 2048
@@ -175,7 +147,7 @@ def test_sampled_blocks_follow_the_target_distribution(tiny_lm, drafter_file):
     p_third = _chi_square([row[2] for row in out.token_ids], third)
 
     prepared = jaxspec.prepare(tiny_lm, [PROMPT] * ROWS, max_new_tokens=4, spec=spec)
-    control = SpecConfig(method="custom", num_speculative_tokens=2, proposer=UniformQDFlash(prepared.proposer),
+    control = SpecConfig(method="custom", num_speculative_tokens=2, proposer=RewrittenQ(prepared.proposer, uniform_q),
                          proposer_params=prepared.proposer_params)
     control_out = _sampled(tiny_lm, control)
     control_p = min(_chi_square([row[1] for row in control_out.token_ids], second),
@@ -184,6 +156,16 @@ def test_sampled_blocks_follow_the_target_distribution(tiny_lm, drafter_file):
     assert control_out.stats.drafted > 0
     assert p_second > 1e-3 and p_third > 1e-3
     assert control_p < 1e-6
+
+
+def test_rollouts_draft_with_dflash_and_keep_the_greedy_samples(tiny_lm, drafter_file):
+    spec = SpecConfig(method="dflash", head_path=str(drafter_file), num_speculative_tokens=5)
+    plain = jaxspec.rollout(tiny_lm, PROMPTS, num_samples=2, max_new_tokens=16, sampling=SamplingParams(),
+                            ignore_eos=True)
+    out = jaxspec.rollout(tiny_lm, PROMPTS, num_samples=2, max_new_tokens=16, sampling=SamplingParams(), spec=spec,
+                          speculation="fixed", ignore_eos=True)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted > 0
 
 
 def test_more_drafts_than_the_block_holds_are_refused(tiny_lm, drafter_file):
@@ -316,7 +298,7 @@ def _edit(directory, config=None, drop=None, reshape=None):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda c: {**c, "architectures": ["DFlash2DraftModel"]}, "not a DFlash drafter jaxspec runs"),
+    (lambda c: {**c, "architectures": ["DFlash2DraftModel"]}, "names no DFlash drafter class jaxspec runs"),
     (lambda c: {**c, "vocab_size": 100}, "'vocab_size'=100, but the target has 97"),
     (lambda c: {**c, "dflash_config": {**c["dflash_config"], "mask_token_id": 500}}, "mask_token_id=500"),
     (lambda c: {**c, "dflash_config": {**c["dflash_config"], "target_layer_ids": [0, 5]}}, "target_layer_ids"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,6 @@ from jaxspec.builders import draft_readout
 from jaxspec.decode import propose_once
 from jaxspec.models.heads import WEIGHTS_DIR, load_draft_vocab, save_draft_vocab
 from jaxspec.proposers.base import Proposer
-from jaxspec.proposers.eagle import EagleProposer
 from jaxspec.train import draft_vocab
 from jaxspec.train.prompts import humaneval_split
 from test_hardening import _exact_pairs
@@ -201,16 +201,21 @@ def test_sampled_chain_probs_are_the_distribution_over_exactly_the_draft_vocabul
 
 
 @dataclasses.dataclass(frozen=True)
-class UnscatteredProbs(Proposer):
-    """Negative control: the restricted EAGLE chain with its q *not* scattered back to target ids: column j's
-    probability left at id j (what forgetting the draft-to-target map in q would do)."""
+class RewrittenQ(Proposer):
+    """Negative controls: a head's proposer whose sampled drafts reach verification with their q rewritten by
+    `rewrite(probs f32[B, K, V], params) -> f32[B, K, V]`, the drafts themselves unchanged."""
 
-    inner: EagleProposer
+    inner: Proposer
+    rewrite: Callable
     needs_features: bool = True
 
     @property
     def num_speculative_tokens(self) -> int:
         return self.inner.num_speculative_tokens
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.inner.feature_layers
 
     @property
     def max_depth(self) -> int:
@@ -221,13 +226,18 @@ class UnscatteredProbs(Proposer):
 
     def propose(self, params, pstate, ctx, keys):
         draft, pstate = self.inner.propose(params, pstate, ctx, keys)
-        ids = params["readout"].ids
-        columns = jnp.take(draft.probs, ids, axis=-1)  # f32[B, K, N] the distribution over the N columns
-        wrong = jnp.zeros_like(draft.probs).at[..., : ids.shape[0]].set(columns)
-        return draft.replace(probs=wrong), pstate
+        return draft.replace(probs=self.rewrite(draft.probs, params)), pstate
 
     def update(self, params, pstate, ctx, committed):
         return self.inner.update(params, pstate, ctx, committed)
+
+
+def unscattered(probs, params):
+    """The restricted chain's q *not* scattered back to target ids: column j's probability left at id j (what
+    forgetting the draft-to-target map in q would do)."""
+    ids = params["readout"].ids
+    columns = jnp.take(probs, ids, axis=-1)  # f32[B, K, N] the distribution over the N columns
+    return jnp.zeros_like(probs).at[..., : ids.shape[0]].set(columns)
 
 
 ROWS = 2048
@@ -261,7 +271,7 @@ def test_sampled_reduced_vocab_chain_follows_the_target_distribution(tiny_lm, ra
     assert run.drafted > 0 and 0 < run.accepted < run.drafted
 
     p = jaxspec.prepare(tiny_lm, [PROMPT] * ROWS, max_new_tokens=3, spec=spec)
-    control = SpecConfig(method="custom", num_speculative_tokens=2, proposer=UnscatteredProbs(p.proposer),
+    control = SpecConfig(method="custom", num_speculative_tokens=2, proposer=RewrittenQ(p.proposer, unscattered),
                          proposer_params=p.proposer_params)
     control_p, control_run = _second_token_p(tiny_lm, control, exact)
     print(f"chi-square p: scattered q {p_value:.3g}, unscattered q {control_p:.3g}")
