@@ -52,8 +52,9 @@ bench: install
 	$(PYTHON) scripts/bench.py --peers --peer-prompts 4 --batches 1,8 --new-tokens 64 --repeats 2 --write-page
 	$(PYTHON) scripts/bench_spec.py --limit 4 --batch1-limit 2 --new-tokens 64 --methods none,ngram,sam --ks default \
 		--temperatures 0 --sweep-batches "" --cost-ts "" --overhead-repeats 5 --write-page
-	$(PYTHON) scripts/bench_heads.py --workloads held-out,held-out-chat --methods none,sam,eagle3 --budgets 15 \
-		--eagle2-trees "" --cost-aware-budgets "" --temperatures 0 --limit 4 --new-tokens 64 --write-page
+	$(PYTHON) scripts/bench_heads.py --workloads held-out,held-out-chat --methods none,sam,eagle3,dflash --budgets 15 \
+		--eagle2-trees "" --cost-aware-budgets "" --dflash-ks 7,15 --temperatures 0,0.8 --limit 4 --new-tokens 64 \
+		--repeats 2 --drafting-pass --write-page
 	$(PYTHON) scripts/bench_heads.py --workloads held-out --methods eagle3 --budgets 31 --eagle2-trees 31:6:10 \
 		--cost-aware-budgets "" --whole-trees --temperatures 0 --skip 8 --limit 2 --new-tokens 64 --repeats 1 \
 		--write-page heads-whole-trees

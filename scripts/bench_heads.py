@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark the trained drafters (Medusa, EAGLE chain, EAGLE-2 and EAGLE-3 dynamic trees) against `none` and `sam`.
+"""Benchmark the trained drafters (Medusa, EAGLE chain, EAGLE-2 and EAGLE-3 dynamic trees, the DFlash block drafter)
+against `none` and `sam`.
 
 Prompts are the HumanEval problems held out from head training, completed as plain text (`held-out`) and asked
 about in a chat (`held-out-chat`, the model's chat template; workloads of benchkit.workloads), at batch 1, greedy
@@ -13,7 +14,9 @@ configuration once in turn (every other round in reverse), after a warm-up round
 the median over rounds. Greedy outputs of every method are checked against `none` (lossless).
 
 Targets: EAGLE-2 mean acceptance length >= 3.0, Medusa >= 2.0; EAGLE-3 (31 nodes) >= 3.2 on code
-and >= 2.5 on chat, eagle2 or eagle3 >= 1.5x `none` on code and >= 1.3x on chat; greedy, batch 1.
+and >= 2.5 on chat, eagle2 or eagle3 >= 1.5x `none` on code and >= 1.3x on chat; greedy, batch 1. DFlash, side by
+side with eagle3 in the same run: acceptance and speedup >= eagle3's on code and chat (greedy), >= 1.2x `none` at
+T = 0.8; its drafting pass (`--drafting-pass`: one propose, timed alone at batch 1) <= 0.15 of a plain step.
 
     python scripts/bench_heads.py                        # ~20 min on an idle 2-core VM
     python scripts/bench_heads.py --limit 2 --new-tokens 32 --budgets 7   # smoke test
@@ -52,11 +55,12 @@ WORKLOADS = ("held-out", "held-out-chat")
 
 
 def configs(budgets: list[int], eagle_ks: list[int], wide: list[tuple[int, int, int]],
-            cost_aware: list[int] = (), *, whole_trees: bool = False,
-            eagle3_head: str | None = None) -> list[tuple[str, SpecConfig]]:
+            cost_aware: list[int] = (), *, whole_trees: bool = False, eagle3_head: str | None = None,
+            dflash_ks: list[int] = (), dflash_trees: list[tuple[int, int, int]] = (),
+            dflash_head: str | None = None) -> list[tuple[str, SpecConfig]]:
     """(label, spec) of every configuration. `whole_trees`: the N-node trees score every node each step
     (cost_aware=False; by default a ranked tree at one row scores what its measured cost repays), which is what the
-    acceptance targets are stated for. `eagle3_head`: an EAGLE-3 head file in place of the shipped one."""
+    acceptance targets are stated for. `eagle3_head`, `dflash_head`: head files in place of the shipped ones."""
     whole = {"cost_aware": False} if whole_trees else {}
     # A head_path alone drafts over the full vocabulary; the shipped head's draft vocabulary keeps a head file
     # compared with the shipped head like for like (its ranking: beside the file, else the shipped one).
@@ -79,6 +83,12 @@ def configs(budgets: list[int], eagle_ks: list[int], wide: list[tuple[int, int, 
         out += [(f"{method} N={n} cost-aware", SpecConfig(method=method, num_speculative_tokens=n,
                                                           verify_widths=(1, n + 1), cost_aware=True, **head))
                 for n in cost_aware]
+    dflash = {"head_path": dflash_head} if dflash_head else {}
+    out += [(f"dflash K={k}", SpecConfig(method="dflash", num_speculative_tokens=k, verify_widths=(1, k + 1), **dflash))
+            for k in dflash_ks]
+    out += [(f"dflash N={n} d{d} k{k}", SpecConfig(method="dflash", num_speculative_tokens=n, tree_depth=d,
+                                                    tree_top_k=k, verify_widths=(1, n + 1), **dflash))
+            for n, d, k in dflash_trees]
     return out
 
 
@@ -107,6 +117,21 @@ def side_by_side(lm, prompts, chosen: list[tuple[str, SpecConfig]], args, temper
     return rows
 
 
+def drafting_passes(lm, prompt, chosen: list[tuple[str, SpecConfig]], plain_ms: float, repeats: int) -> dict:
+    """label -> ms of one drafting pass and its fraction of a plain step (`plain_ms`, the `none` run's decode time
+    per step), for the eagle3 and dflash configurations at their methods' default budgets."""
+    from benchkit.drafting import drafting_pass_ms
+
+    out = {"plain_step_ms": round(plain_ms, 3)}
+    for label, spec in chosen:
+        if spec.method in ("eagle3", "dflash") and spec.num_speculative_tokens == METHODS[spec.method].defaults[
+                "num_speculative_tokens"] and not spec.cost_aware:
+            ms = drafting_pass_ms(lm, spec, prompt, repeats=max(20, 10 * repeats))
+            out[label] = {"ms": round(ms, 3), "of_plain_step": round(ms / plain_ms, 3)}
+            print(f"drafting pass {label}: {ms:.2f} ms, {ms / plain_ms:.3f} of a plain step", flush=True)
+    return out
+
+
 def markdown(report: dict) -> str:
     skipped = f" after the first {report['skipped']}" if report.get("skipped") else ""
     lines = [f"Held-out HumanEval prompts: {report['num_prompts']}{skipped}, {report['new_tokens']} new tokens each, "
@@ -120,6 +145,16 @@ def markdown(report: dict) -> str:
         for label, r in rows.items():
             lines.append(tables.row([label, f"{r['mean_acceptance_length']:.2f}", f"{r['tokens_per_s']:.1f}",
                                      f"{r['tokens_per_s'] / base:.2f}x", r.get("same_as_none", "")]))
+        lines.append("")
+    passes = report.get("drafting_pass")
+    if passes:
+        lines += [f"### Drafting pass at batch 1 (plain step {passes['plain_step_ms']:.2f} ms)", "",
+                  tables.head(["configuration", "ms", "of a plain step", "target"])]
+        for label, r in passes.items():
+            if label != "plain_step_ms":
+                target = "" if not label.startswith("dflash") else (
+                    f"<= 0.15: {'met' if r['of_plain_step'] <= 0.15 else 'missed'}")
+                lines.append(tables.row([label, f"{r['ms']:.2f}", f"{r['of_plain_step']:.3f}", target]))
         lines.append("")
     lines += ["### Best configuration per method (tokens/s) and targets", "",
               tables.head(["workload, temperature", "method", "best config", "acceptance", "vs none", "target"])]
@@ -136,11 +171,31 @@ def markdown(report: dict) -> str:
             if speed is not None and float(temp) == 0 and method in ("eagle2", "eagle3") and not report.get(
                     "whole_trees"):
                 verdicts.append(f">= {speed}x none: {'met' if b['speedup'] >= speed else 'missed'}")
+            verdicts += dflash_verdicts(method, b, best.get("eagle3"), float(temp))
             configs = sum(label.split()[0] == method for label in report["runs"][key])
             if verdicts or configs > 1:  # a lone configuration without a target is its own row above
                 lines.append(tables.row([key, method, b["label"], f"{b['mean_acceptance_length']:.2f}",
                                          f"{b['speedup']:.2f}x", "; ".join(verdicts)]))
     return "\n".join(lines) + "\n"
+
+
+DFLASH_SAMPLED_TARGET = 1.2  # dflash vs none at T > 0
+
+
+def dflash_verdicts(method: str, best: dict, eagle3: dict | None, temperature: float) -> list[str]:
+    """DFlash's targets, side by side with eagle3's best configuration of the same run: greedy, acceptance and
+    speedup at least eagle3's; sampled, at least DFLASH_SAMPLED_TARGET x none."""
+    if method != "dflash":
+        return []
+    if temperature > 0:
+        target = DFLASH_SAMPLED_TARGET
+        return [f">= {target}x none: {'met' if best['speedup'] >= target else 'missed'}"]
+    if eagle3 is None:
+        return []
+    return [f"acceptance >= eagle3's {eagle3['max_acceptance']:.2f}: "
+            f"{'met' if best['max_acceptance'] >= eagle3['max_acceptance'] else 'missed'}",
+            f"speedup >= eagle3's {eagle3['speedup']:.2f}x: "
+            f"{'met' if best['speedup'] >= eagle3['speedup'] else 'missed'}"]
 
 
 def best_per_method(rows: dict) -> dict:
@@ -197,6 +252,18 @@ def main(argv=None) -> int:
     parser.add_argument("--eagle3-head", default=None, metavar="PATH",
                         help="an EAGLE-3 head file (e.g. a run's head.safetensors) in place of the shipped one, to "
                              "compare heads before shipping one (default: the shipped head)")
+    parser.add_argument("--dflash-ks", type=ints, default="7,15",
+                        help="drafts per step for dflash, at most its block less one (default: %(default)s)")
+    parser.add_argument("--dflash-trees", default="15:4:2",
+                        help="dflash trees as N:depth:top_k, comma-separated: N nodes, the block's chain with the "
+                             "top_k - 1 next best candidates at each of its first `depth` positions "
+                             "(default: %(default)s)")
+    parser.add_argument("--dflash-head", default=None, metavar="PATH",
+                        help="a DFlash drafter (head file or a directory in its authors' layout) in place of the "
+                             "shipped one (default: the shipped drafter)")
+    parser.add_argument("--drafting-pass", action="store_true",
+                        help="also time one drafting pass (propose, jitted, at batch 1 on the first prompt) of "
+                             "eagle3 and dflash at their default budgets, as a fraction of a plain step")
     parser.add_argument("--whole-trees", action="store_true",
                         help="the N-node trees (--budgets, --eagle2-trees) score every node each step, as the "
                              "acceptance targets are stated; by default a ranked tree at one row scores only the "
@@ -208,12 +275,15 @@ def main(argv=None) -> int:
     page.add_option(parser, "heads")
     args = parser.parse_args(argv)
     jaxspec.enable_compilation_cache()  # every figure is taken after a warm-up: a cached compile only shortens the run
-    try:
-        wide = [tuple(int(v) for v in t.split(":")) for t in args.eagle2_trees.split(",") if t]
-        if any(len(t) != 3 for t in wide):
-            raise ValueError(f"--eagle2-trees={args.eagle2_trees!r} needs N:depth:top_k entries")
-    except ValueError as e:
-        parser.error(f"--eagle2-trees takes comma-separated N:depth:top_k numbers: {e}")
+    trees = {}
+    for option in ("eagle2_trees", "dflash_trees"):
+        try:
+            trees[option] = [tuple(int(v) for v in t.split(":")) for t in getattr(args, option).split(",") if t]
+            if any(len(t) != 3 for t in trees[option]):
+                raise ValueError(f"{getattr(args, option)!r} needs N:depth:top_k entries")
+        except ValueError as e:
+            parser.error(f"--{option.replace('_', '-')} takes comma-separated N:depth:top_k numbers: {e}")
+    wide = trees["eagle2_trees"]
     chosen_workloads = [w for w in args.workloads.split(",") if w]
     if not chosen_workloads or any(w not in WORKLOADS for w in chosen_workloads):
         parser.error(f"--workloads={args.workloads!r} must name some of {', '.join(WORKLOADS)}")
@@ -222,7 +292,8 @@ def main(argv=None) -> int:
     methods = {m for m in args.methods.split(",") if m}
     try:
         every = configs(args.budgets, args.eagle_ks, wide, args.cost_aware_budgets, whole_trees=args.whole_trees,
-                        eagle3_head=args.eagle3_head)
+                        eagle3_head=args.eagle3_head, dflash_ks=args.dflash_ks, dflash_trees=trees["dflash_trees"],
+                        dflash_head=args.dflash_head)
     except ValueError as e:  # a head path SpecConfig refuses
         parser.error(str(e))
     chosen = [(label, spec) for label, spec in every
@@ -232,7 +303,7 @@ def main(argv=None) -> int:
     lm = jaxspec.load_model(jaxspec.DEFAULT_MODEL)
     report = machine.info() | {"model": lm.name, "num_prompts": args.limit, "skipped": args.skip,
                                "new_tokens": args.new_tokens, "whole_trees": args.whole_trees,
-                               "eagle3_head": args.eagle3_head,
+                               "eagle3_head": args.eagle3_head, "dflash_head": args.dflash_head,
                                "repeats": args.repeats, "runs": {}, "best": {}}
     for workload in chosen_workloads:
         prompts = workloads.load_workload(workload, lm.tokenizer, args.skip + args.limit)[args.skip:]
@@ -250,6 +321,9 @@ def main(argv=None) -> int:
                       flush=True)
             report["runs"][key] = rows
             report["best"][key] = best_per_method(rows)
+            if args.drafting_pass and "drafting_pass" not in report and temp == 0:
+                plain_ms = 1000 * rows["none"]["decode_s"] / rows["none"]["steps"]
+                report["drafting_pass"] = drafting_passes(lm, prompts[0], chosen, plain_ms, args.repeats)
     output.write(args.out_dir, "bench_heads", report, markdown(report))
     if args.write_page:
         page.write(args.write_page, markdown(report), report, report)

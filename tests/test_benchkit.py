@@ -66,6 +66,25 @@ def test_bench_heads_scores_whole_trees_with_the_head_asked_for():
     assert chosen["eagle3 N=31"].draft_vocab == usual["eagle3 N=31"].draft_vocab == 4096
 
 
+def test_bench_heads_runs_dflash_beside_eagle3_and_judges_it_by_eagle3():
+    """DFlash chains and trees run with the drafter asked for; its greedy targets are eagle3's figures of the same
+    run, its sampled one a speedup over none."""
+    import bench_heads
+
+    chosen = dict(bench_heads.configs([15], [], [], [], dflash_ks=[7, 15], dflash_trees=[(15, 4, 2)],
+                                      dflash_head="run/dflash"))
+    assert chosen["dflash K=7"].verify_widths == (1, 8) and chosen["dflash K=15"].num_speculative_tokens == 15
+    assert (chosen["dflash N=15 d4 k2"].tree_depth, chosen["dflash N=15 d4 k2"].tree_top_k) == (4, 2)
+    assert {label for label, spec in chosen.items() if spec.head_path == "run/dflash"} == {
+        "dflash K=7", "dflash K=15", "dflash N=15 d4 k2"}
+    eagle3 = {"max_acceptance": 2.5, "speedup": 1.4}
+    assert bench_heads.dflash_verdicts("dflash", {"max_acceptance": 3.0, "speedup": 1.3}, eagle3, 0.0) == [
+        "acceptance >= eagle3's 2.50: met", "speedup >= eagle3's 1.40x: missed"]
+    assert bench_heads.dflash_verdicts("dflash", {"max_acceptance": 3.0, "speedup": 1.25}, eagle3, 0.8) == [
+        ">= 1.2x none: met"]
+    assert bench_heads.dflash_verdicts("eagle3", eagle3, eagle3, 0.0) == []
+
+
 def test_markdown_table():
     assert tables.head(["batch", "tokens/s"]) == "| batch | tokens/s |\n|---|---|"
     assert tables.row([8, "125.4", None]) == "| 8 | 125.4 | None |"
