@@ -17,8 +17,8 @@ A row's place changes only at such a regroup, which copies the kept rows once. P
 requests come and go.
 
 Each request chooses a proposer among those the engine was built with (`none`, `ngram`, `sam`, run together
-by a `MixedProposer`; or one trained head, `medusa`, `eagle`, `eagle2` or `eagle3`, beside `none`); its row drafts at
-most min(its own budget, the policy's cap for the load) tokens, or tree nodes.
+by a `MixedProposer`; or one trained head, `medusa`, `eagle`, `eagle2`, `eagle3` or `dflash`, beside `none`); its row
+drafts at most min(its own budget, the policy's cap for the load) tokens, or tree nodes.
 
 One job per module:
 

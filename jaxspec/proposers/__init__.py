@@ -1,6 +1,7 @@
 """Proposers: pure functions that draft tokens for the target to verify (see base.Proposer)."""
 
 from .base import ChainProposer, Committed, Context, Draft, Proposer
+from .dflash import DFlashProposer, DFlashState
 from .draft_model import DraftModelProposer, self_draft_model
 from .eagle import EagleProposer, EagleState
 from .index.suffix_automaton import StaticSuffixAutomaton, SuffixAutomaton
@@ -14,6 +15,8 @@ __all__ = [
     "ChainProposer",
     "Committed",
     "Context",
+    "DFlashProposer",
+    "DFlashState",
     "Draft",
     "DraftModelProposer",
     "EagleProposer",

@@ -50,8 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV-cache slots per request: prompt + max_tokens must fit. Attention on CPU "
                         "reads all of them every step, so keep it near the longest request (default: %(default)s)")
     p.add_argument("--method", default="sam", choices=names(served=True),
-                   help="speculation method for requests that do not choose one; medusa, eagle, eagle2 and eagle3 "
-                        "use the heads shipped for the model (default: %(default)s)")
+                   help="speculation method for requests that do not choose one; medusa, eagle, eagle2, eagle3 and "
+                        "dflash use the heads shipped for the model (default: %(default)s)")
     p.add_argument("--methods", default=None,
                    help="methods compiled in, comma-separated; a request may pick any of them. none, ngram and "
                         "sam mix freely; a head method is served alone beside none (default: none,ngram,sam, "
