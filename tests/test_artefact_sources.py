@@ -46,7 +46,7 @@ def _held_out_ids() -> set[str]:
 
 def test_artefacts_are_shipped():
     kinds = {p.name.split(".")[-2] for p in ARTEFACTS}
-    assert {"eagle", "eagle3", "medusa", "draft_vocab", "sam_corpus"} <= kinds
+    assert {"eagle", "eagle3", "dflash", "medusa", "draft_vocab", "sam_corpus"} <= kinds
 
 
 @pytest.mark.parametrize("path", ARTEFACTS, ids=lambda p: p.name)
