@@ -112,20 +112,19 @@ class DFlashProposer(Proposer):
         if self.tree_top_k > 1:
             return self._tree(readout, logits), state
 
-        def draw(i, logits_i):  # f32[B, N] -> i32[B]
-            step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
-            return readout.token_ids(sample(step_keys, logits_i, ctx.sampling))
-
-        def q_of(logits_i):  # f32[B, N] -> f32[B, V]
-            return readout.full_vocab(processed_probs(logits_i, ctx.sampling))
-
-        tokens = jax.vmap(draw, in_axes=(0, 1), out_axes=1)(jnp.arange(k), logits)  # i32[B, K]
+        # The K positions as B * K rows of one sampling call, row (b, i) with row b's settings and key fold_in(key_b,
+        # i): vmapping the call over positions instead would turn its all-greedy shortcut (a lax.cond) into a select
+        # that also runs the sampled path.
+        rows = logits.reshape(batch * k, -1)  # f32[B*K, N]
+        position_keys = jax.vmap(lambda key: jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(k)))(keys)
+        sampling = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), ctx.sampling)
+        tokens = readout.token_ids(sample(position_keys.reshape(batch * k), rows, sampling)).reshape(batch, k)
         # Greedy rows are verified by the target's argmax alone: an all-greedy batch skips the V-wide q of every
-        # position (a quarter of this pass on the default model's CPU step).
+        # position.
         vocab = readout.embed.shape[0]
         probs = jax.lax.cond(jnp.all(is_greedy(ctx.sampling.temperature)),
                              lambda: jnp.zeros((batch, k, vocab), jnp.float32),
-                             lambda: jax.vmap(q_of, in_axes=1, out_axes=1)(logits))  # f32[B, K, V]
+                             lambda: readout.full_vocab(processed_probs(rows, sampling)).reshape(batch, k, vocab))
         num_draft = jnp.minimum(ctx.max_draft, k)
         return Draft(tokens=tokens.astype(jnp.int32), num_draft=num_draft, probs=probs), state
 
