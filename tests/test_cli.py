@@ -31,7 +31,7 @@ def test_help_lists_every_subcommand():
 @pytest.mark.parametrize("args, expected", [
     (("generate", "--help"), ["usage: jaxspec generate", "--max-new-tokens", "--method", "--chat", "--seed"]),
     (("corpus", "--help"), ["usage: jaxspec corpus", "--prompts", "--texts", "--out", "--model"]),
-    (("train", "--help"), ["usage: jaxspec train", "eagle3", "medusa"]),
+    (("train", "--help"), ["usage: jaxspec train", "eagle3", "medusa", "dflash"]),
     (("train", "medusa", "--help"), ["--steps", "--ship"]),
     (("serve", "--help"), ["usage: jaxspec serve", "--port", "--method"]),
 ])
