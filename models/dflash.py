@@ -1,6 +1,6 @@
 """DFlash: a block drafter that predicts K tokens in one forward, conditioned on the target's hidden states.
 
-DFlash (Chen et al. 2026, "Block Diffusion for Flash Speculative Decoding") drafts a whole block at once: the
+DFlash ("Block Diffusion for Flash Speculative Decoding", arXiv 2602.06036) drafts a whole block at once: the
 newest committed token (the anchor) followed by K mask tokens, at positions n .. n + K, runs through a few
 decoder layers that attend bidirectionally within the block and to a context built from the target's own
 hidden states at every committed position; the output at block position i (1..K) is scored by the target's LM
