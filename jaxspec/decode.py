@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import cost, sharding
+from .models.packing import Packing
 from .processors import ProcessorRequest
 from .proposers.base import ChainProposer, Committed, Context, Draft, Proposer
 from .sampling import row_keys, sample
@@ -91,6 +92,10 @@ class PrefillSpec:
     # G > 1: each prompt starts G consecutive rows (B = P * G: row p * G + g is sample g of prompt p), its K/V
     # computed once and copied into the group's rows
     group_size: int = 1
+    # N: the prompts' token-wise work runs over their tokens packed into N positions rather than P x W
+    # (`jaxspec.shapes.packed_width`, `jaxspec.models.packing`), where the target packs (`packs_prefill`);
+    # None: over the padded prompts
+    packed: int | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
@@ -113,8 +118,11 @@ def prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.Array, rows: 
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (num_prompts, width))
     # Prefill keeps the XLA attention: the kernel is built for the few new tokens of a verification step.
     layers = feature_layers(proposer)
+    packing = {}
+    if spec.packed is not None and getattr(model, "packs_prefill", False):
+        packing["packing"] = Packing.of(prompt_lens, width, spec.packed)
     out, cache = model(prompts, positions, cache, logits_at=(prompt_lens - 1)[:, None], attention_impl="xla",
-                       cached_slots=0, **layer_request(layers))
+                       cached_slots=0, **packing, **layer_request(layers))
     # (the features cover every prompt position: EAGLE and Medusa heads start from them)
     logits, hidden = out.logits, target_features(out, layers)
     if group_size > 1:  # one forward per prompt, its cache and outputs copied into the group's rows

@@ -31,7 +31,14 @@ from .policy import ChunkReport, DraftPolicy
 from .processors import ProcessorRequest
 from .proposers.base import Draft, Proposer, drafts_chains
 from .sampling_params import SamplingParams
-from .shapes import CACHE_ALIGN, bucket_shapes, widths_for_cost_choice, widths_for_forced_text, widths_for_long_drafts
+from .shapes import (
+    CACHE_ALIGN,
+    bucket_shapes,
+    packed_width,
+    widths_for_cost_choice,
+    widths_for_forced_text,
+    widths_for_long_drafts,
+)
 from .spec_config import SpecConfig
 from .state import RowLimits, RowParams, mean_acceptance_length
 from .text import TextStream
@@ -411,6 +418,7 @@ class Prepared:
     predictions: predicted_outputs.Predictions | None = None
     # generate's constraint=: each row's automaton state and the batch's automata (`Prepared.processors`)
     constraint: constraint_rows.ConstraintRows | None = None
+    packed: int | None = None  # the prefill's packed positions (`PrefillSpec.packed`), or None: padded
 
     @property
     def batch_size(self) -> int:
@@ -431,7 +439,8 @@ class Prepared:
     @property
     def prefill_spec(self) -> PrefillSpec:
         """How prefill lays out the batch (`prefill`'s `spec=`): the proposer, cache and output slots."""
-        return PrefillSpec(cache_len=self.cache_len, buffer_len=self.buffer_len, proposer=self.proposer)
+        return PrefillSpec(cache_len=self.cache_len, buffer_len=self.buffer_len, proposer=self.proposer,
+                           packed=self.packed)
 
     @property
     def step(self) -> StepSpec:
@@ -543,7 +552,9 @@ def _prepare(lm: LanguageModel, req: _Request) -> Prepared:
         logprob_rows=None if req.logprobs is None else jnp.ones((batch,), bool),
         num_top_logprobs=req.logprobs or 0,
         track_counts=bool(np.any(np.asarray(any_penalty(req.sampling)))), predictions=req.predictions,
-        constraint=req.constraint)
+        constraint=req.constraint,
+        # Rows split over a mesh's devices prefill padded: the packed positions would sit in one row.
+        packed=packed_width(prompt_lens, width) if lm.mesh is None else None)
     if lm.mesh is not None:
         prepared = _on_mesh(lm, prepared)
     if req.spec.method == "custom":

@@ -46,6 +46,15 @@ def bucket_shapes(prompt_lens: Sequence[int], max_new_tokens: int) -> tuple[int,
     return width, buffer_len, round_up(max(width, max(prompt_lens) + max_new_tokens), CACHE_ALIGN)
 
 
+def packed_width(prompt_lens: Sequence[int], width: int) -> int | None:
+    """The positions N a prefill of these prompts (padded to `width`) runs its token-wise work over when packed
+    end to end (`jaxspec.models.packing`): a power of two holding them all, or None where that saves nothing
+    (one row, or rows so alike that N would be rows x width). N is at most half of rows x width, and its few
+    values (width, 2 width, ... below rows x width) bound the prefill programs a batch shape compiles."""
+    packed = next_pow2(sum(prompt_lens))
+    return packed if packed < len(prompt_lens) * width else None
+
+
 # Verify widths offered beside a method's own when drafts may run long (predicted outputs, forced tokens): a
 # step verifies at the narrowest width holding its longest draft, so a short run does not pay for the widest.
 LONG_DRAFT_WIDTHS = (9, 17, 33, 65)

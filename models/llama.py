@@ -51,6 +51,7 @@ from jaxspec.kernels.verify_attention import compiled_supports, verify_attention
 from jaxspec.sharding import active, constrain, mesh_size
 
 from .config import FULL_WINDOW, ModelConfig
+from .packing import Packing
 from .rope import apply_rope, rope_tables
 
 AttentionImpl = Literal["xla", "pallas"]
@@ -149,18 +150,29 @@ class Attention(nnx.Module):
         return q, k, v.transpose(0, 2, 1, 3)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None, write_cache=True, layer=None, window=None):
+                 cached_slots=None, write_cache=True, layer=None, window=None, packing=None):
         """x [B, T, D]; returns the attention block's output [B, T, D] and the caches with the new K/V written,
         or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd].
+
+        With `packing` (`jaxspec.models.packing.Packing`, a packed prefill) x and cos, sin hold N packed positions
+        ([1, N, ...]) and so does the output: the queries, keys and values are scattered to the padded rows
+        [B, W] for attention, and its output gathered back before the output projection.
 
         With `layer` (i32[], inside a scanned layer stack) the caches are the stack's [B, L, Hkv, S, hd] buffers,
         written and read at that layer. `window`: None for full attention, or (positions, W): the new tokens'
         positions i32[B, T] and the layer's window W (an int, or an i32[] in a scanned stack of mixed layers);
         committed slot s holds position s, so the window bounds slots as well as new tokens."""
         cfg = self.cfg
-        B, T = cos.shape[:2]
         H, hd = cfg.num_heads, cfg.head_dim
         q, k, v = self.project(x, cos, sin)
+        if packing is not None:
+            q = packing.unpack(q)  # [B, W, H, hd]
+            k, v = (packing.unpack(a.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for a in (k, v))  # [B, Hkv, W, hd]
+        B, T = q.shape[:2]
+
+        def output(out):  # [B, T, H, hd] -> the output projection, over the packed positions with `packing`
+            out = out.reshape(B, T, H * hd)
+            return linear(out if packing is None else packing.pack(out), self.o[...], self.matmul)
 
         def this_layer(buffer):  # [B, Hkv, S, hd]: the layer's own buffer, or its slice of the stack's
             return buffer if layer is None else jax.lax.dynamic_index_in_dim(buffer, layer, 1, keepdims=False)
@@ -168,7 +180,7 @@ class Attention(nnx.Module):
         if not write_cache:
             out = _attention_beside_cache(q, this_layer(k_cache), this_layer(v_cache), k, v, lengths, tree_mask, cfg,
                                           window)
-            return linear(out.reshape(B, T, H * hd), self.o[...], self.matmul), k, v
+            return output(out), k, v
         k_cache, v_cache = write_new(k_cache, k, lengths, layer), write_new(v_cache, v, lengths, layer)
         k_layer, v_layer = this_layer(k_cache), this_layer(v_cache)
         # "pallas" is a hint: the interpreter (CPU) takes any head dim, the compiled kernel only those Triton takes,
@@ -183,7 +195,7 @@ class Attention(nnx.Module):
             out = _xla_attention(q, k_layer, v_layer, visible, cfg)
         else:
             out = _attention_in_cache(q, k_layer, v_layer, lengths, tree_mask, cfg, cached_slots, window)
-        return linear(out.reshape(B, T, H * hd), self.o[...], self.matmul), k_cache, v_cache
+        return output(out), k_cache, v_cache
 
 
 def _xla_attention(q, k_cache, v_cache, visible, cfg: ModelConfig):
@@ -496,10 +508,12 @@ class DecoderLayer(nnx.Module):
         self.mlp_output_norm = _norm(d, cfg) if cfg.gemma_norms else None
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, visible, attention_impl, tree_mask,
-                 cached_slots=None, write_cache=True, layer=None, window=None):
-        """x [B, T, D] -> the block's output [B, T, D] and the caches (as `Attention` returns them)."""
+                 cached_slots=None, write_cache=True, layer=None, window=None, packing=None):
+        """x [B, T, D] (or [1, N, D] packed, with `packing`) -> the block's output in x's layout and the caches
+        (as `Attention` returns them)."""
         attn_out, k_cache, v_cache = self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, lengths, visible,
-                                               attention_impl, tree_mask, cached_slots, write_cache, layer, window)
+                                               attention_impl, tree_mask, cached_slots, write_cache, layer, window,
+                                               packing)
         if self.attn_output_norm is not None:
             attn_out = self.attn_output_norm(attn_out)
         x = x + attn_out  # [B, T, D]
@@ -548,6 +562,8 @@ class Llama(nnx.Module):
 
     # A forward can leave the cache unwritten and return the new tokens' K/V instead (`write_cache=False`).
     defers_cache_writes = True
+    # A prefill can run its token-wise work over the prompts packed end to end (`packing=`).
+    packs_prefill = True
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, matmul: MatmulImpl | None = None,
                  layer_loop: LayerLoop | None = None):
@@ -606,6 +622,7 @@ class Llama(nnx.Module):
         attention_impl: AttentionImpl = "xla",
         cached_slots: int | None = None,  # static bound on cache.lengths (0: an empty cache); None: any
         write_cache: bool = True,  # False: leave the cache as it is, return the new K/V (below)
+        packing: Packing | None = None,  # a prefill's token-wise work over its prompts packed end to end (below)
     ) -> tuple[ModelOutput, KVCache]:
         """Returns the output and the cache with the new K/V written; `cache.lengths` is not advanced.
 
@@ -616,20 +633,32 @@ class Llama(nnx.Module):
         the new tokens' K/V beside them, and the second value is a cache of T slots holding just those K/V
         (lengths 0), for the caller to write at `cache.lengths` (`jaxspec.cache.write_new`). A caller that
         picks one of several forward widths with `lax.switch` writes after the switch, where XLA updates the
-        buffers in place; a branch that updates them makes XLA copy every buffer, whole, each step."""
+        buffers in place; a branch that updates them makes XLA copy every buffer, whole, each step.
+
+        `packing` (`jaxspec.models.packing.Packing`, for a prefill into an empty cache: `cached_slots=0`) runs the
+        embeddings, norms, projections and MLPs over the prompts' tokens laid end to end, and attention over the
+        padded rows as without it; the outputs are as without it (up to float summation order), in the padded
+        layout, with zeros at padding positions and in the cache slots past each prompt."""
         if not write_cache and (attention_impl != "xla" or cached_slots is not None):
             raise ValueError(f"write_cache=False needs attention_impl='xla' and cached_slots=None, got "
                              f"{attention_impl!r} and {cached_slots!r}")
-        x = self.embed_tokens(tokens)  # [B, T, D]
+        if packing is not None and (cached_slots != 0 or tree_mask is not None):
+            raise ValueError(f"packing is for a prefill into an empty cache (cached_slots=0, no tree_mask), got "
+                             f"cached_slots={cached_slots!r}" + (" and a tree_mask" if tree_mask is not None else ""))
+        # Packed, the token-wise work sees one row of N positions; attention sees `positions` [B, T] (windows).
+        inputs = (tokens, positions) if packing is None else (packing.pack(tokens), packing.pack(positions))
+        x = self.embed_tokens(inputs[0])  # [B, T, D], or [1, N, D] packed
         cfg = self.cfg
         ropes = dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))  # in layer order, each once
-        tables = {rope: rope_tables(positions, rope, cfg.head_dim) for rope in ropes}  # (cos, sin) f32[B, T, hd]
-        args = (cache.lengths, attention_impl, tree_mask, cached_slots, write_cache)
+        tables = {rope: rope_tables(inputs[1], rope, cfg.head_dim) for rope in ropes}  # (cos, sin) f32[B, T, hd]
+        args = (cache.lengths, attention_impl, tree_mask, cached_slots, write_cache, packing)
         if self.layer_loop == "scan":
             x, ks, vs, outputs = self._scan_layers(x, positions, tables, cache, args, return_layers)
         else:
             x, ks, vs, outputs = self._unrolled_layers(x, positions, tables, cache, args, return_layers)
         hidden = self.norm(x)  # [B, T, D]
+        if packing is not None:
+            hidden, outputs = packing.unpack(hidden), [packing.unpack(o) for o in outputs]
         logits = None
         if compute_logits:
             picked = hidden if logits_at is None else jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
@@ -643,13 +672,13 @@ class Llama(nnx.Module):
                          return_layers: tuple[int, ...]):
         """The layers one after another in the trace, each with its own rotary tables (`tables`, by RopeConfig)
         and static window: (x, per-layer K and V buffers, requested layers' x)."""
-        lengths, attention_impl, tree_mask, cached_slots, write_cache = args
+        lengths, attention_impl, tree_mask, cached_slots, write_cache, packing = args
         cfg = self.cfg
         ks, vs, saved = list(cache.k), list(cache.v), []
         for i, layer in enumerate(self.layers):
             cos, sin = tables[cfg.layer_rope(i)]
             window = None if cfg.layer_window(i) is None else (positions, cfg.layer_window(i))
-            x, ks[i], vs[i] = _traced_once(layer, (x, cos, sin, ks[i], vs[i], lengths, tree_mask, window),
+            x, ks[i], vs[i] = _traced_once(layer, (x, cos, sin, ks[i], vs[i], lengths, tree_mask, packing, window),
                                            (attention_impl, cached_slots, write_cache))
             if i in return_layers:
                 saved.append(x)
@@ -664,7 +693,7 @@ class Llama(nnx.Module):
         Layers alike share one window and one pair of rotary tables. Where they mix (`layer_types`), each
         layer's window (full attention as FULL_WINDOW, which hides no key) is scanned beside its weights, and so,
         where the kinds rotate differently (Gemma 3), is which of the stacked tables it reads."""
-        lengths, attention_impl, tree_mask, cached_slots, write_cache = args
+        lengths, attention_impl, tree_mask, cached_slots, write_cache, packing = args
         cfg = self.cfg
         L = cfg.num_layers
         graphdef, stacked = nnx.split(self.layers)
@@ -690,7 +719,7 @@ class Llama(nnx.Module):
                 window = None if cfg.sliding_window is None else (positions, cfg.sliding_window)
             layer = nnx.merge(graphdef, params)
             x, k_out, v_out = layer(x, cos, sin, k_cache, v_cache, lengths, None, attention_impl, tree_mask,
-                                    cached_slots, write_cache, layer=i, window=window)
+                                    cached_slots, write_cache, layer=i, window=window, packing=packing)
             if write_cache:
                 return (x, k_out, v_out), ((), x if return_layers else None)
             return (x, k_cache, v_cache), ((k_out, v_out), x if return_layers else None)  # new K/V [B, Hkv, T, hd]
@@ -704,7 +733,7 @@ class Llama(nnx.Module):
 
 
 def _traced_once(layer: DecoderLayer, inputs: tuple, settings: tuple):
-    """`layer` over inputs (x, cos, sin, k_cache, v_cache, lengths, tree_mask, window) with settings
+    """`layer` over inputs (x, cos, sin, k_cache, v_cache, lengths, tree_mask, packing, window) with settings
     (attention_impl, cached_slots, write_cache), through one jitted function: layers of one structure, shapes and
     settings share a single trace, so an unrolled stack traces one layer rather than every one of them. Nested in
     the caller's jit it is inlined before XLA compiles, so the program is the same as tracing each layer; what it
@@ -719,12 +748,12 @@ def _traced_once(layer: DecoderLayer, inputs: tuple, settings: tuple):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
 def _layer_jit(graphdef, state, inputs: tuple, settings: tuple):
-    x, cos, sin, k_cache, v_cache, lengths, tree_mask, positions = inputs
+    x, cos, sin, k_cache, v_cache, lengths, tree_mask, packing, positions = inputs
     attention_impl, cached_slots, write_cache, size, _ = settings
     window = None if size is None else (positions, size)
     # visible=None: the target's mask is built per cache block (`_attention_in_cache`).
     return nnx.merge(graphdef, state)(x, cos, sin, k_cache, v_cache, lengths, None, attention_impl, tree_mask,
-                                      cached_slots, write_cache, window=window)
+                                      cached_slots, write_cache, window=window, packing=packing)
 
 
 def default_layer_loop() -> LayerLoop:

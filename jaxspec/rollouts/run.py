@@ -40,7 +40,7 @@ from ..penalties import any_penalty
 from ..policy import MODES, ChunkReport, DraftPolicy, GainModel, overhead_for
 from ..processors import ProcessorRequest
 from ..proposers.group_sam import GroupSamProposer
-from ..shapes import bucket_shapes
+from ..shapes import bucket_shapes, packed_width
 from ..spec_config import SpecConfig
 from ..state import DecodeState, RowLimits, RowParams
 from .inputs import RolloutInputs, check_memory, validate
@@ -235,11 +235,13 @@ class _Rollout:
         logprob_rows = jnp.ones((inputs.num_rows,), bool) if inputs.logprobs else None
         processed = jnp.full((inputs.num_rows,), inputs.logprobs_mode == "sampling") if inputs.logprobs else None
         logprob_rows, processed = self._place((logprob_rows, processed), inputs.num_rows)
+        # The prompts pack end to end for the prefill, unless their rows are split over a mesh's devices.
+        packed = packed_width(prompt_lens.tolist(), self.width) if lm.mesh is None else None
         prompts, prompt_lens = self._place((jnp.asarray(prompts), jnp.asarray(prompt_lens)), len(prompts))
         processors = ProcessorRequest(logprob_rows=logprob_rows, logprobs_processed=processed,
                                       track_counts=bool(np.any(np.asarray(any_penalty(settings.sampling)))))
         spec = PrefillSpec(cache_len=self.cache_len, buffer_len=self.buffer_len, proposer=self.proposer,
-                           group_size=group_size)
+                           group_size=group_size, packed=packed)
         state = prefill(lm.graphdef, self.params, prompts, prompt_lens, settings, self.proposer_params, processors,
                         spec=spec)
         done = np.asarray(jax.device_get(state.done))
