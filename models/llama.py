@@ -155,7 +155,7 @@ class Attention(nnx.Module):
         or (write_cache=False) the caches untouched and the new K/V [B, Hkv, T, hd].
 
         With `packing` (`jaxspec.models.packing.Packing`, a packed prefill) x and cos, sin hold N packed positions
-        ([1, N, ...]) and so does the output: the queries, keys and values are scattered to the padded rows
+        ([1, N, ...]) and so does the output: the queries, keys and values are placed in the padded rows
         [B, W] for attention, and its output gathered back before the output projection.
 
         With `layer` (i32[], inside a scanned layer stack) the caches are the stack's [B, L, Hkv, S, hd] buffers,

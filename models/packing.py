@@ -5,7 +5,7 @@ prompts' lengths differ, most of those can be padding: eight prompts of 74-223 t
 positions for 967 tokens. Those token-wise parts (embeddings, norms, projections, MLPs, rotary embedding) do not
 care which row a token belongs to, so a packed prefill runs them over the N positions of the prompts laid end to
 end in one row (N a power of two holding the real tokens), and only attention, which does, runs over the padded
-[B, W] layout: its queries, keys and values are scattered there and its output gathered back. That is what
+[B, W] layout: its queries, keys and values are placed there and its output packed back. That is what
 ragged prefill in vLLM and SGLang saves too; here the attention keeps the padded layout and its masks, so every
 attention path and the cache writes are the same as a padded prefill's.
 """
@@ -23,6 +23,7 @@ class Packing:
 
     rows: jax.Array  # i32[N]  the row of packed position n; `batch` (out of range) past the last prompt's end
     cols: jax.Array  # i32[N]  its column in that row: its position within the prompt
+    sources: jax.Array  # i32[B, W]  the packed position each padded position holds; N (out of range) for padding
     batch: int = flax.struct.field(pytree_node=False)  # B
     width: int = flax.struct.field(pytree_node=False)  # W
 
@@ -36,7 +37,10 @@ class Packing:
         rows = jnp.searchsorted(ends, n, side="right").astype(jnp.int32)  # i32[N]: B past the last prompt
         starts = ends - prompt_lens
         cols = n - jnp.take(starts, jnp.minimum(rows, batch - 1))
-        return cls(rows=rows, cols=jnp.where(rows < batch, cols, 0), batch=batch, width=width)
+        w = jnp.arange(width, dtype=jnp.int32)
+        sources = jnp.where(w[None, :] < prompt_lens[:, None], starts[:, None] + w[None, :], packed)  # i32[B, W]
+        return cls(rows=rows, cols=jnp.where(rows < batch, cols, 0), sources=sources.astype(jnp.int32),
+                   batch=batch, width=width)
 
     def pack(self, x: jax.Array) -> jax.Array:
         """x [B, W, ...] -> [1, N, ...]: each packed position's entry (the last row's first column's for padding)."""
@@ -44,5 +48,5 @@ class Packing:
 
     def unpack(self, x: jax.Array) -> jax.Array:
         """x [1, N, ...] -> [B, W, ...]: each packed position's entry at its row and column, zeros elsewhere."""
-        out = jnp.zeros((self.batch, self.width, *x.shape[2:]), x.dtype)
-        return out.at[self.rows, self.cols].set(x[0], mode="drop")
+        # A gather, not a scatter: XLA:CPU runs a scatter's updates one after another.
+        return jnp.take(x[0], self.sources, axis=0, mode="fill", fill_value=0)
