@@ -274,6 +274,19 @@ READ_BLOCK = 128
 WHOLE_READ_SLOTS = 256
 
 
+# A forward of many new tokens (a prefill) attends with its queries in up to QUERY_BLOCKS blocks of at least
+# QUERY_BLOCK_MIN, each block against the slots up to its own last query, so a causal prefill skips up to 3/8 of
+# its scores. More blocks skip more, but each is more program to compile: a default-model prefill of 1024 tokens
+# ran in 1.71 s as one block, 1.22 s as 4 and 1.20 s as 8, and compiled in 1.2, 2.2 and 3.8 s.
+QUERY_BLOCKS = 4
+QUERY_BLOCK_MIN = 128
+
+
+def _query_block(num_new: int) -> int:
+    """Queries per block of a forward of `num_new` new tokens (`num_new` itself: one block)."""
+    return max(QUERY_BLOCK_MIN, -(-num_new // QUERY_BLOCKS))
+
+
 def _read_block(max_len: int) -> int:
     """Slots per cache block: the whole cache up to `WHOLE_READ_SLOTS` slots, else `READ_BLOCK`. The row groups
     are sized by it (`_by_row_groups`), so a whole read of up to 256 slots counts as what it reads."""
@@ -388,8 +401,20 @@ def _attention_in_cache(q, k_cache, v_cache, lengths, tree_mask, cfg: ModelConfi
         slots = min(S, cached_slots + T)
 
         def attend_prefix(q, k_cache, v_cache, lengths, tree_mask, positions):  # any b of the B rows
-            visible = visibility_mask(lengths, T, slots, tree_mask, positions, W)  # bool[b, T, slots]
-            return _xla_attention(q, k_cache[:, :, :slots], v_cache[:, :, :slots], visible, cfg)
+            block = _query_block(T)
+            if tree_mask is not None or T <= block:
+                visible = visibility_mask(lengths, T, slots, tree_mask, positions, W)  # bool[b, T, slots]
+                return _xla_attention(q, k_cache[:, :, :slots], v_cache[:, :, :slots], visible, cfg)
+            # Causal: the queries in blocks, each against the slots up to its last query's, not all `slots`.
+            out = []
+            for start in range(0, T, block):
+                stop = min(T, start + block)
+                seen = min(S, cached_slots + stop)
+                at = None if positions is None else positions[:, start:stop]
+                visible = visibility_mask(lengths + start, stop - start, seen, None, at, W)  # bool[b, n, seen]
+                out.append(_xla_attention(q[:, start:stop], k_cache[:, :, :seen], v_cache[:, :, :seen], visible,
+                                          cfg))
+            return jnp.concatenate(out, axis=1)  # [b, T, H, hd]
 
         return _by_row_groups(attend_prefix, kv_row_bytes(k_cache, slots), q, k_cache, v_cache, lengths,
                               tree_mask, positions)

@@ -112,6 +112,33 @@ def test_a_cache_of_no_whole_number_of_blocks_reads_its_last_slots_once(model):
         np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("cached", [0, 40])
+def test_queries_in_blocks_equal_one_block(monkeypatch, window, cached):
+    """A forward of 300 new tokens attends with its queries in 3 blocks of 128, 128 and 44, each against the slots
+    up to its own last query (after a prefix of up to `cached` slots, and within a sliding window): the same
+    logits and cache as the queries in one block."""
+    cfg = CFG if window is None else dataclasses.replace(CFG, sliding_window=window)
+    module = Llama(cfg, rngs=nnx.Rngs(4))
+    assert llama._query_block(300) == 128 and llama._query_block(1024) == 256 and llama._query_block(100) == 128
+    lengths = [cached, cached // 2]
+    cache = _filled_cache(module, [max(n, 1) for n in lengths], slots=512).replace(
+        lengths=jnp.asarray(lengths, jnp.int32))
+    new = jnp.asarray(np.random.default_rng(6).integers(0, CFG.vocab_size, (2, 300)), jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(300, dtype=jnp.int32)
+
+    def forward():
+        return jax.jit(lambda c: module(new, positions, c, cached_slots=cached))(cache)
+
+    got, got_cache = forward()
+    monkeypatch.setattr(llama, "QUERY_BLOCKS", 1)
+    jax.clear_caches()  # the layer's trace is cached by its shapes and settings (`_traced_once`)
+    want, want_cache = forward()
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("lengths", [[100, 600], [0, 20], [700, 1000]])
 @pytest.mark.parametrize("tree", [False, True])
 def test_forward_that_defers_its_writes_equals_one_that_writes(model, lengths, tree):
