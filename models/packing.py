@@ -24,8 +24,11 @@ class Packing:
     rows: jax.Array  # i32[N]  the row of packed position n; `batch` (out of range) past the last prompt's end
     cols: jax.Array  # i32[N]  its column in that row: its position within the prompt
     sources: jax.Array  # i32[B, W]  the packed position each padded position holds; N (out of range) for padding
-    batch: int = flax.struct.field(pytree_node=False)  # B
-    width: int = flax.struct.field(pytree_node=False)  # W
+
+    @property
+    def batch(self) -> int:
+        """B, the padded batch's rows."""
+        return self.sources.shape[0]
 
     @classmethod
     def of(cls, prompt_lens: jax.Array, width: int, packed: int) -> "Packing":
@@ -39,8 +42,7 @@ class Packing:
         cols = n - jnp.take(starts, jnp.minimum(rows, batch - 1))
         w = jnp.arange(width, dtype=jnp.int32)
         sources = jnp.where(w[None, :] < prompt_lens[:, None], starts[:, None] + w[None, :], packed)  # i32[B, W]
-        return cls(rows=rows, cols=jnp.where(rows < batch, cols, 0), sources=sources.astype(jnp.int32),
-                   batch=batch, width=width)
+        return cls(rows=rows, cols=jnp.where(rows < batch, cols, 0), sources=sources.astype(jnp.int32))
 
     def pack(self, x: jax.Array) -> jax.Array:
         """x [B, W, ...] -> [1, N, ...]: each packed position's entry (the last row's first column's for padding)."""
